@@ -1,0 +1,224 @@
+"""A fast GGUF reader: metadata parsed in bulk, tensors exposed as memory-mapped views.
+
+The `gguf` package's reader parses vocabulary arrays element by element (tens of seconds for
+Gemma's 262k-entry vocab); here string arrays are decoded in one pass over a bytes view and
+numeric arrays become numpy views, so a header loads in a fraction of a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+
+class GgufError(ValueError):
+    """A GGUF file that cannot be read: missing, truncated, corrupt or unsupported."""
+
+
+# GGUF metadata value types.
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
+_SCALAR_DTYPES = {
+    _UINT8: np.dtype("<u1"), _INT8: np.dtype("<i1"), _UINT16: np.dtype("<u2"), _INT16: np.dtype("<i2"),
+    _UINT32: np.dtype("<u4"), _INT32: np.dtype("<i4"), _FLOAT32: np.dtype("<f4"), _BOOL: np.dtype("<u1"),
+    _UINT64: np.dtype("<u8"), _INT64: np.dtype("<i8"), _FLOAT64: np.dtype("<f8"),
+}
+
+
+@dataclass(frozen=True)
+class QuantType:
+    name: str
+    ggml_id: int
+    block_elems: int   # weights per block
+    block_bytes: int   # bytes per block
+
+
+# Only the ggml types this engine can dequantise; any other type is refused with a clear error.
+QUANT_TYPES = {q.ggml_id: q for q in (
+    QuantType("F32", 0, 1, 4),
+    QuantType("F16", 1, 1, 2),
+    QuantType("Q4_0", 2, 32, 18),
+    QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q8_0", 8, 32, 34),
+    QuantType("Q4_K", 12, 256, 144),
+    QuantType("Q6_K", 14, 256, 210),
+)}
+_KNOWN_TYPE_NAMES = {4: "Q4_2", 5: "Q4_3", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K",
+                     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+                     22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+                     29: "IQ1_M", 30: "BF16"}
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor: its numpy shape (GGUF dims reversed), type and raw bytes (a view into the file)."""
+    name: str
+    shape: tuple[int, ...]
+    qtype: QuantType
+    raw: np.ndarray  # uint8 view of the tensor's bytes
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """Raw bytes reshaped to (rows, blocks_per_row * block_bytes)."""
+        return self.raw.reshape(self.shape[0] if len(self.shape) > 1 else 1, -1)
+
+
+class _Cursor:
+    __slots__ = ("buf", "pos", "size", "path")
+
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+
+    def need(self, n: int) -> None:
+        if self.pos + n > self.size:
+            raise GgufError(f"{self.path}: truncated GGUF header (needed {n} bytes at offset {self.pos}, "
+                            f"file has {self.size}); re-download or re-install the model")
+
+    def unpack(self, fmt: str):
+        n = struct.calcsize(fmt)
+        self.need(n)
+        value = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return value[0] if len(value) == 1 else value
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.need(n)
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<IQ")
+            if etype == _STRING:
+                return self.string_array(count)
+            if etype in _SCALAR_DTYPES:
+                dtype = _SCALAR_DTYPES[etype]
+                self.need(count * dtype.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+                self.pos += count * dtype.itemsize
+                return arr.astype(bool) if etype == _BOOL else arr
+            if etype == _ARRAY:
+                return [self.value(_ARRAY) for _ in range(count)]
+            raise GgufError(f"{self.path}: unknown GGUF array element type {etype}")
+        if vtype in _SCALAR_DTYPES:
+            dtype = _SCALAR_DTYPES[vtype]
+            self.need(dtype.itemsize)
+            v = np.frombuffer(self.buf, dtype=dtype, count=1, offset=self.pos)[0]
+            self.pos += dtype.itemsize
+            return bool(v) if vtype == _BOOL else v.item()
+        raise GgufError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+
+    def string_array(self, count: int) -> list[str]:
+        # Strings are length-prefixed; walk the lengths, then decode each slice once.
+        buf, pos, out = self.buf, self.pos, []
+        size = self.size
+        unpack = struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise GgufError(f"{self.path}: truncated GGUF string array")
+            (n,) = unpack("<Q", buf, pos)
+            pos += 8
+            if pos + n > size:
+                raise GgufError(f"{self.path}: truncated GGUF string array")
+            out.append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+
+class GgufFile:
+    """An open GGUF file. `metadata` is a dict; `tensors` maps names to GgufTensor views."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GgufError(f"{self.path}: no such GGUF file")
+        size = self.path.stat().st_size
+        if size < 24:
+            raise GgufError(f"{self.path}: file is too small to be a GGUF model ({size} bytes)")
+        with open(self.path, "rb") as fh:
+            self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = memoryview(self._mmap)
+        self._bytes = bytes(buf[:0])  # keeps nothing; the memoryview holds the map
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise GgufError(f"{self.path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        cur = _Cursor(buf, self.path)
+        cur.pos = 4
+        self.version = cur.unpack("<I")
+        if self.version not in (2, 3):
+            raise GgufError(f"{self.path}: unsupported GGUF version {self.version} (2 and 3 are supported)")
+        n_tensors, n_kv = cur.unpack("<QQ")
+        if n_tensors > 1_000_000 or n_kv > 1_000_000:
+            raise GgufError(f"{self.path}: implausible GGUF header counts ({n_tensors} tensors, {n_kv} keys)")
+        self.metadata: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = cur.unpack("<I")
+            self.metadata[key] = cur.value(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("<I")
+            if n_dims > 4:
+                raise GgufError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
+            dims = [cur.unpack("<Q") for _ in range(n_dims)]
+            ggml_type = cur.unpack("<I")
+            offset = cur.unpack("<Q")
+            infos.append((name, dims, ggml_type, offset))
+        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        self.data_offset = data_start
+        self.tensors: dict[str, GgufTensor] = {}
+        whole = np.frombuffer(self._mmap, dtype=np.uint8)
+        for name, dims, ggml_type, offset in infos:
+            qtype = QUANT_TYPES.get(ggml_type)
+            if qtype is None:
+                tname = _KNOWN_TYPE_NAMES.get(ggml_type, f"type {ggml_type}")
+                raise GgufError(f"{self.path}: tensor {name!r} uses unsupported quantisation {tname}; "
+                                f"supported: {', '.join(q.name for q in QUANT_TYPES.values())}")
+            n_el = int(np.prod(dims)) if dims else 1
+            if dims and dims[0] % qtype.block_elems:
+                raise GgufError(f"{self.path}: tensor {name!r} row of {dims[0]} is not a multiple of "
+                                f"{qtype.name}'s block of {qtype.block_elems}")
+            nbytes = n_el // qtype.block_elems * qtype.block_bytes
+            start = data_start + offset
+            if start + nbytes > size:
+                raise GgufError(f"{self.path}: truncated: tensor {name!r} ends at byte {start + nbytes} "
+                                f"but the file has {size} bytes; re-download or re-install the model")
+            shape = tuple(int(d) for d in reversed(dims))
+            self.tensors[name] = GgufTensor(name, shape, qtype, whole[start:start + nbytes])
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    def arch_key(self, suffix: str, default=None):
+        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+
+    def sha256(self) -> str:
+        """Checksum of the whole file (used to key exported ONNX files and cache entries)."""
+        digest = hashlib.sha256()
+        view = memoryview(self._mmap)
+        step = 16 << 20
+        for i in range(0, len(view), step):
+            digest.update(view[i:i + step])
+        return digest.hexdigest()

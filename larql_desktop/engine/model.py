@@ -1,0 +1,235 @@
+"""Forward pass for the llama and gemma3 architectures with a KV cache.
+
+The FFN is not computed here: each layer hands its normed FFN input to an `FfnCall`, which is exactly
+where the walk FFN and its activation cache attach. Attention and the output head run in numpy fp32
+from dequantised GGUF weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+from .gguf import GgufError, GgufFile
+from .quants import dequantize, dequantize_rows
+
+
+class FfnCall(Protocol):
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    # (T, d) or (..., d)
+    scale = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + eps)
+    return (x * scale).astype(np.float32, copy=False) * weight
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    attn_norm: np.ndarray
+    wq: np.ndarray   # (n_heads*hd, d)
+    wk: np.ndarray   # (n_kv*hd, d)
+    wv: np.ndarray   # (n_kv*hd, d)
+    wo: np.ndarray   # (d, n_heads*hd)
+    ffn_norm: np.ndarray
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
+
+
+class KvCache:
+    """Keys/values per layer, grown by doubling; `truncate` rolls the context back (regenerate)."""
+
+    def __init__(self, config: ModelConfig, capacity: int = 256):
+        self.config = config
+        self.length = 0
+        self._cap = capacity
+        shape = (config.n_kv_heads, capacity, config.head_dim)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+        self.values = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+
+    def reserve(self, needed: int) -> None:
+        if needed <= self._cap:
+            return
+        cap = self._cap
+        while cap < needed:
+            cap *= 2
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = np.zeros((old.shape[0], cap, old.shape[2]), np.float32)
+                new[:, :self.length] = old[:, :self.length]
+                store[i] = new
+        self._cap = cap
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a context of {self.length} tokens to {length}")
+        self.length = length
+
+
+class RopeTables:
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+        self._tables: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        needed = int(positions.max()) + 1
+        table = self._tables.get(base)
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 1024, 0 if table is None else 2 * table[0].shape[0])
+            inv_freq = base ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+            angles = np.arange(size, dtype=np.float64)[:, None] * inv_freq[None, :]
+            table = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+            self._tables[base] = table
+        return table[0][positions], table[1][positions]   # (T, hd/2)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, adjacent_pairs: bool) -> np.ndarray:
+    """x: (heads, T, hd); cos/sin: (T, hd/2)."""
+    if adjacent_pairs:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+class TransformerModel:
+    """Weights and forward pass of one GGUF model (FFN excluded, see FfnCall)."""
+
+    def __init__(self, gguf: GgufFile, config: ModelConfig | None = None):
+        self.gguf = gguf
+        self.config = cfg = config or ModelConfig.from_gguf(gguf)
+        t = gguf.tensors
+
+        def weight(name: str) -> np.ndarray:
+            if name not in t:
+                raise GgufError(f"{gguf.path}: missing tensor {name!r} for a {cfg.arch} model")
+            return dequantize(t[name])
+
+        def optional(name: str) -> np.ndarray | None:
+            return dequantize(t[name]) if name in t else None
+
+        self.layers: list[AttentionWeights] = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(AttentionWeights(
+                attn_norm=weight(p + "attn_norm.weight"), wq=weight(p + "attn_q.weight"),
+                wk=weight(p + "attn_k.weight"), wv=weight(p + "attn_v.weight"),
+                wo=weight(p + "attn_output.weight"), ffn_norm=weight(p + "ffn_norm.weight"),
+                q_norm=optional(p + "attn_q_norm.weight"), k_norm=optional(p + "attn_k_norm.weight"),
+                post_attn_norm=optional(p + "post_attention_norm.weight"),
+                post_ffn_norm=optional(p + "post_ffw_norm.weight"),
+            ))
+            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                if f"{p}{name}.weight" not in t:
+                    raise GgufError(f"{gguf.path}: missing tensor {p}{name}.weight for a {cfg.arch} model")
+        self.output_norm = weight("output_norm.weight")
+        self.token_embd = t["token_embd.weight"]
+        # Tied embeddings when the GGUF has no separate output matrix (both packaged models).
+        self._output_tensor = t.get("output.weight", self.token_embd)
+        self._output_matrix: np.ndarray | None = None
+        self.rope = RopeTables(cfg.head_dim)
+
+    # -- pieces -------------------------------------------------------------------------------------------
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        return dequantize_rows(self.token_embd, ids) * np.float32(self.config.embed_scale)   # (T, d)
+
+    @property
+    def output_matrix(self) -> np.ndarray:
+        if self._output_matrix is None:
+            self._output_matrix = dequantize(self._output_tensor)   # (vocab, d)
+        return self._output_matrix
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        return rms_norm(h, self.output_norm, self.config.norm_eps) @ self.output_matrix.T   # (T, vocab)
+
+    def attention(self, layer: int, x: np.ndarray, kv: KvCache, positions: np.ndarray) -> np.ndarray:
+        cfg, w = self.config, self.layers[layer]
+        T, hd = x.shape[0], cfg.head_dim
+        q = (x @ w.wq.T).reshape(T, cfg.n_heads, hd).transpose(1, 0, 2)       # (H, T, hd)
+        k = (x @ w.wk.T).reshape(T, cfg.n_kv_heads, hd).transpose(1, 0, 2)    # (KV, T, hd)
+        v = (x @ w.wv.T).reshape(T, cfg.n_kv_heads, hd).transpose(1, 0, 2)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, cfg.norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.norm_eps)
+        cos, sin = self.rope.get(cfg.rope_base_for(layer), positions)
+        q = apply_rope(q, cos, sin, cfg.rope_adjacent_pairs)
+        k = apply_rope(k, cos, sin, cfg.rope_adjacent_pairs)
+        start = int(positions[0])
+        kv.keys[layer][:, start:start + T] = k
+        kv.values[layer][:, start:start + T] = v
+        S = start + T
+        keys, values = kv.keys[layer][:, :S], kv.values[layer][:, :S]          # (KV, S, hd)
+        group = cfg.n_heads // cfg.n_kv_heads
+        qg = q.reshape(cfg.n_kv_heads, group * T, hd)
+        scores = (qg @ keys.transpose(0, 2, 1)).reshape(cfg.n_kv_heads, group, T, S) * np.float32(cfg.attn_scale)
+        key_pos = np.arange(S)
+        allowed = key_pos[None, :] <= positions[:, None]                      # (T, S) causal
+        window = cfg.window_for(layer)
+        if window:
+            allowed &= (positions[:, None] - key_pos[None, :]) < window
+        scores = np.where(allowed, scores, np.float32(-np.inf))
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = (probs.reshape(cfg.n_kv_heads, group * T, S) @ values)          # (KV, group*T, hd)
+        out = out.reshape(cfg.n_heads, T, hd).transpose(1, 0, 2).reshape(T, cfg.n_heads * hd)
+        return out @ w.wo.T                                                     # (T, d)
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def forward(self, ids, kv: KvCache, ffn: FfnCall, all_logits: bool = False) -> np.ndarray:
+        """Run `ids` after the kv cache's context; returns logits (T, vocab) or (1, vocab) for the last one."""
+        cfg = self.config
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("no tokens to run")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range for a vocabulary of {cfg.vocab_size}")
+        start = kv.length
+        positions = np.arange(start, start + ids.size)
+        kv.reserve(start + ids.size)
+        h = self.embed(ids)
+        for i, w in enumerate(self.layers):
+            a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), kv, positions)
+            if w.post_attn_norm is not None:
+                a = rms_norm(a, w.post_attn_norm, cfg.norm_eps)
+            h = h + a
+            f = ffn(i, rms_norm(h, w.ffn_norm, cfg.norm_eps))
+            if w.post_ffn_norm is not None:
+                f = rms_norm(f, w.post_ffn_norm, cfg.norm_eps)
+            h = h + f
+        kv.length = start + ids.size
+        return self.logits(h if all_logits else h[-1:])
+
+
+class NumpyDenseFfn:
+    """Dense FFN in numpy fp32 from dequantised weights: the reference the ONNX graphs are checked against."""
+
+    def __init__(self, model: TransformerModel):
+        t = model.gguf.tensors
+        self.act = ACTIVATIONS[model.config.activation]
+        self.weights = [tuple(dequantize(t[f"blk.{i}.{n}.weight"]) for n in ("ffn_gate", "ffn_up", "ffn_down"))
+                        for i in range(model.config.n_layers)]
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        g, u, d = self.weights[layer]
+        return (self.act(x @ g.T) * (x @ u.T)) @ d.T
