@@ -1,0 +1,93 @@
+"""Token generation as a generator: each step yields the token, its text and its timing."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .model import FfnCall, KvCache, TransformerModel
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_tokens: int = 256
+    temperature: float = 0.0   # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not 1 <= self.max_tokens <= 1_000_000:
+            raise ValueError(f"max tokens must be between 1 and 1000000, not {self.max_tokens}")
+        if not (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be between 0 and 100, not {self.temperature}")
+        if not (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top-p must be in (0, 1], not {self.top_p}")
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    token_id: int
+    text: str            # newly completed text (may be empty while a UTF-8 sequence is incomplete)
+    index: int           # 0 for the first generated token
+    seconds: float       # wall time of the forward pass that produced this token (prefill for index 0)
+    prompt_tokens: int   # tokens run in that forward pass
+    is_stop: bool        # a stop token: not part of the reply
+
+
+class Sampler:
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
+        self.rng = np.random.default_rng(settings.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        s = self.settings
+        if s.temperature == 0.0:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / s.temperature
+        z -= z.max()
+        p = np.exp(z)
+        p /= p.sum()
+        if s.top_p < 1.0:
+            order = np.argsort(-p)
+            cumulative = np.cumsum(p[order])
+            keep = order[: int(np.searchsorted(cumulative, s.top_p)) + 1]
+            kept = np.zeros_like(p)
+            kept[keep] = p[keep]
+            p = kept / kept.sum()
+        return int(self.rng.choice(p.size, p=p))
+
+
+class ContextOverflow(ValueError):
+    pass
+
+
+def generate(model: TransformerModel, kv: KvCache, new_ids: Sequence[int], ffn: FfnCall,
+             settings: SamplingSettings, stop_ids: frozenset[int], decoder, context_limit: int,
+             history: list[int] | None = None) -> Iterator[TokenStep]:
+    """Run `new_ids` after what `kv` already holds, then sample up to max_tokens.
+
+    `history` (the token ids the KV cache holds) is extended as tokens are consumed, so a caller can
+    reuse the context for the next turn. Stops on a stop id (yielded with is_stop=True) or at max_tokens.
+    """
+    if len(new_ids) == 0:
+        raise ValueError("the prompt is empty: type something to send")
+    if kv.length + len(new_ids) >= context_limit:
+        raise ContextOverflow(f"the prompt needs {kv.length + len(new_ids)} tokens but the context holds "
+                              f"{context_limit}; shorten it or start a new chat")
+    sampler = Sampler(settings)
+    pending = list(new_ids)
+    for index in range(settings.max_tokens):
+        started = time.perf_counter()
+        logits = model.forward(pending, kv, ffn)[-1]
+        token = sampler(logits)
+        seconds = time.perf_counter() - started
+        if history is not None:
+            history.extend(pending)
+        stop = token in stop_ids
+        text = "" if stop else decoder.feed(token)
+        yield TokenStep(token, text, index, seconds, len(pending), stop)
+        if stop or kv.length + 1 >= context_limit:
+            return
+        pending = [token]
