@@ -11,7 +11,6 @@ is detected at load and rebuilt.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -25,9 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
 from .gguf import GgufFile
-from .quants import QuantError, dequantize, make_matmul_nbits_node, to_matmul_nbits
+from .quants import QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
-EXPORT_FORMAT = 3   # bump when the graphs change, so old exports are rebuilt
+EXPORT_FORMAT = 1   # bump when the graphs change, so old exports are rebuilt
 # MatMulNBits accuracy level 4 multiplies with int8-quantised activations, as llama.cpp's CPU kernels do;
 # at level 0 onnxruntime 1.32 has no fast kernel for 8-bit weights (Q5_0/Q6_K/Q8_0: ~30x slower).
 ACCURACY_LEVEL = 4
@@ -36,35 +35,13 @@ Progress = Callable[[str, float], None]
 
 
 def _linear(tensor, input_name: str, output_name: str):
-    """x @ W.T from the GGUF's own blocks where MatMulNBits can hold them exactly, else a dense MatMul.
-
-    onnxruntime's MatMulNBits is ~20x slower with float zero points than with its default one, so a block
-    w = (q - zp) * s is split as (q - z0) * s + (z0 - zp) * s: the default-zero-point kernel plus a per-block
-    offset times the block sums of x (a (T, K/32) @ (K/32, N) product, tiny next to the weight).
-    """
+    """x @ W.T from the GGUF's own blocks where MatMulNBits can hold them exactly, else a dense MatMul."""
     try:
         w = to_matmul_nbits(tensor)
     except QuantError:
         wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(tensor).T), output_name + "_Wt")
         return [helper.make_node("MatMul", [input_name, wt.name], [output_name])], [wt]
-    z0 = np.float32(w.default_zero_point)
-    offsets = ((z0 - w.zero_points) * w.scales).reshape(w.N, w.k_blocks)
-    fast = dataclasses.replace(w, zero_points=np.full_like(w.zero_points, z0))
-    if not offsets.any():
-        node, inits = make_matmul_nbits_node(fast, input_name, output_name, prefix=output_name,
-                                            accuracy_level=ACCURACY_LEVEL)
-        return [node], inits
-    p = output_name
-    node, inits = make_matmul_nbits_node(fast, input_name, p + "_q", prefix=p, accuracy_level=ACCURACY_LEVEL)
-    inits += [numpy_helper.from_array(np.array([-1, w.k_blocks, w.block_size], np.int64), p + "_blockshape"),
-              numpy_helper.from_array(np.array([2], np.int64), p + "_axis"),
-              numpy_helper.from_array(np.ascontiguousarray(offsets.T), p + "_offsets")]
-    nodes = [node,
-             helper.make_node("Reshape", [input_name, p + "_blockshape"], [p + "_blocks"]),
-             helper.make_node("ReduceSum", [p + "_blocks", p + "_axis"], [p + "_blocksum"], keepdims=0),
-             helper.make_node("MatMul", [p + "_blocksum", p + "_offsets"], [p + "_shift"]),
-             helper.make_node("Add", [p + "_q", p + "_shift"], [output_name])]
-    return nodes, inits
+    return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name, accuracy_level=ACCURACY_LEVEL)
 
 
 def _model(nodes, inits, inputs, outputs, name: str) -> onnx.ModelProto:
