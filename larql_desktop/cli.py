@@ -1,0 +1,131 @@
+"""Command line: `larql-desktop` opens the app; subcommands serve scripts and checks."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from .engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS
+
+MODEL_HELP = f"{' | '.join(PACKAGED_MODELS)} | PATH to a llama or gemma3 GGUF (default {DEFAULT_MODEL})"
+
+
+def _progress_to_stderr(message: str, fraction: float) -> None:
+    print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
+
+
+def _load(args, quiet_progress: bool = False):
+    from .engine.paths import AppPaths
+    from .engine.runtime import load_model
+
+    paths = AppPaths.from_environment().ensure()
+    progress = None if quiet_progress else _progress_to_stderr
+    return load_model(args.model, paths, threads=args.threads, progress=progress)
+
+
+def cmd_chat(args) -> int:
+    from .engine.generation import SamplingSettings
+    from .engine.session import ChatSession
+
+    settings = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    model = _load(args, quiet_progress=True)
+    print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
+    session = ChatSession(model)
+    decode_seconds = 0.0
+    decode_tokens = 0
+    first = None
+    for step in session.reply(args.prompt, settings):
+        if step.index == 0:
+            first = step
+        else:
+            decode_seconds += step.seconds
+            decode_tokens += 1
+        if step.text:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    rate = decode_tokens / decode_seconds if decode_seconds else float("nan")
+    print(f"prefill: {first.prompt_tokens} tokens in {first.seconds:.3f} s; decode: {decode_tokens} tokens at "
+          f"{rate:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_verify_reference(args) -> int:
+    from .engine.reference import check_model, format_summary, model_key_for, read_reference
+
+    doc = read_reference(args.file)
+    results = []
+    for name, entry in doc["models"].items():
+        key = model_key_for(name, entry)
+        if args.model and args.model not in (name, key):
+            continue
+        if key is None:
+            print(f"{name}: no packaged model matches this reference entry; skipped", file=sys.stderr)
+            continue
+        print(f"{name} (model {key}):")
+        args_for = argparse.Namespace(model=key, threads=args.threads)
+        model = _load(args_for, quiet_progress=True)
+        results.append(check_model(model, name, entry))
+    if not results:
+        print("no model in the reference file was checked", file=sys.stderr)
+        return 2
+    for line in format_summary(results):
+        print(line)
+    return 0
+
+
+def cmd_gui(args) -> int:
+    from .qt.app import run_app
+
+    return run_app(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="larql-desktop", description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    parser.add_argument("--threads", type=int, default=2, help="threads for onnxruntime (default 2)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command")
+
+    def common(p):
+        p.add_argument("--model", default=argparse.SUPPRESS, help=MODEL_HELP)
+        p.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="threads for onnxruntime")
+
+    chat = sub.add_parser("chat", help="print a reply to one prompt")
+    common(chat)
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("prompt")
+    chat.set_defaults(func=cmd_chat)
+
+    verify = sub.add_parser("verify-reference", help="compare the engine with outputs recorded from llama.cpp")
+    verify.add_argument("file")
+    verify.add_argument("--model", default=None, help="only this model (reference name or packaged key)")
+    verify.add_argument("--threads", type=int, default=argparse.SUPPRESS)
+    verify.set_defaults(func=cmd_verify_reference)
+    parser.set_defaults(func=cmd_gui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads < 1 or args.threads > 256:
+        parser.error(f"--threads must be between 1 and 256, not {args.threads}")
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:   # GgufError, TokenizerError, bad settings... are ValueErrors
+        print(f"larql-desktop: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

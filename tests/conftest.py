@@ -1,0 +1,48 @@
+"""Test set-up: offscreen Qt, a throw-away home for all app files, and the real packaged models."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports Qt or resolves paths: tests never touch the real user directories.
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+_HOME = tempfile.mkdtemp(prefix="larql-desktop-tests-")
+os.environ["LARQL_DESKTOP_HOME"] = _HOME
+for _var in ("DATA", "CACHE", "LOG", "CONFIG"):
+    os.environ.pop(f"LARQL_DESKTOP_{_var}_DIR", None)
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from larql_desktop.engine.paths import AppPaths  # noqa: E402
+
+REFERENCE_FILE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp_reference.json"
+SCENARIOS_DIR = Path(__file__).resolve().parents[2] / "shared" / "scenarios"
+
+
+@pytest.fixture(scope="session")
+def app_paths() -> AppPaths:
+    return AppPaths.from_environment().ensure()
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    if not REFERENCE_FILE.is_file():
+        pytest.fail(f"the shared llama.cpp reference file is missing: {REFERENCE_FILE}")
+    return json.loads(REFERENCE_FILE.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2(app_paths):
+    from larql_desktop.engine.runtime import load_model
+
+    return load_model("smollm2", app_paths, threads=2)
+
+
+@pytest.fixture(scope="session")
+def gemma3(app_paths):
+    from larql_desktop.engine.runtime import load_model
+
+    return load_model("gemma3-270m", app_paths, threads=2)
