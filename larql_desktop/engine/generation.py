@@ -59,35 +59,24 @@ class Sampler:
         return int(self.rng.choice(p.size, p=p))
 
 
-class ContextOverflow(ValueError):
-    pass
+def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first_seconds: float,
+           first_tokens: int, ffn: FfnCall, settings: SamplingSettings, stop_ids: frozenset[int], decoder,
+           context_limit: int, history: list[int]) -> Iterator[TokenStep]:
+    """Sample from `first_logits` (the prompt's last position), then decode up to max_tokens.
 
-
-def generate(model: TransformerModel, kv: KvCache, new_ids: Sequence[int], ffn: FfnCall,
-             settings: SamplingSettings, stop_ids: frozenset[int], decoder, context_limit: int,
-             history: list[int] | None = None) -> Iterator[TokenStep]:
-    """Run `new_ids` after what `kv` already holds, then sample up to max_tokens.
-
-    `history` (the token ids the KV cache holds) is extended as tokens are consumed, so a caller can
-    reuse the context for the next turn. Stops on a stop id (yielded with is_stop=True) or at max_tokens.
+    `history` (the token ids the KV cache holds) is extended as tokens are consumed. Stops on a stop id
+    (yielded with is_stop=True), at max_tokens, or when the context is full.
     """
-    if len(new_ids) == 0:
-        raise ValueError("the prompt is empty: type something to send")
-    if kv.length + len(new_ids) >= context_limit:
-        raise ContextOverflow(f"the prompt needs {kv.length + len(new_ids)} tokens but the context holds "
-                              f"{context_limit}; shorten it or start a new chat")
     sampler = Sampler(settings)
-    pending = list(new_ids)
+    logits, seconds, ran = first_logits, first_seconds, first_tokens
     for index in range(settings.max_tokens):
-        started = time.perf_counter()
-        logits = model.forward(pending, kv, ffn)[-1]
         token = sampler(logits)
-        seconds = time.perf_counter() - started
-        if history is not None:
-            history.extend(pending)
         stop = token in stop_ids
         text = "" if stop else decoder.feed(token)
-        yield TokenStep(token, text, index, seconds, len(pending), stop)
-        if stop or kv.length + 1 >= context_limit:
+        yield TokenStep(token, text, index, seconds, ran, stop)
+        if stop or index + 1 == settings.max_tokens or kv.length + 1 >= context_limit:
             return
-        pending = [token]
+        started = time.perf_counter()
+        logits = model.forward([token], kv, ffn)[-1]
+        history.append(token)
+        seconds, ran = time.perf_counter() - started, 1

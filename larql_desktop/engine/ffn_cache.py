@@ -1,0 +1,499 @@
+"""LARQL's walk FFN and its FFN activation cache (L1 per session, L2 per process).
+
+Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate score|; the cache key is a
+64-bit hash of the sorted feature ids, so two residuals that select the same features share an entry. Only
+single-position calls (decode) consult the cache; prefill, the full-K dense rewrite and layers carrying
+INSERT overrides bypass it, each counted by reason.
+
+Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's own code):
+  * entries are namespaced by model checksum, K, key width and patch epoch, so a hit never serves an
+    output computed under another model, K or patch state;
+  * `lru` eviction and a byte budget besides the seed's `drop` policy; overwriting a key is never dropped;
+  * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
+  * a verify mode that recomputes a fraction of hits and records the error a hit really carries.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import numpy as np
+
+SEED_K_RATIO = 8092 / 10240          # the seed's default K on Gemma 3 4B
+FULL_K_NUM, FULL_K_DEN = 4, 5        # K >= 4/5 of the intermediate size -> dense FFN (no KNN, no cache)
+POLICIES = ("drop", "lru")
+BYPASS_REASONS = ("prefill", "full_k", "patched", "cache_off")
+OUTCOMES = ("hit", "miss", "bypass", "dense")
+TIERS = ("L1", "L2")
+
+
+def default_top_k(intermediate: int) -> int:
+    return int(intermediate * SEED_K_RATIO)
+
+
+def is_full_k(top_k: int, intermediate: int) -> bool:
+    return top_k * FULL_K_DEN >= intermediate * FULL_K_NUM
+
+
+def feature_key(feature_ids: np.ndarray) -> int:
+    """64-bit key of a feature set: order-independent (ids are sorted) and stable across processes."""
+    ids = np.sort(np.asarray(feature_ids, dtype=np.int64)).astype("<i4")
+    return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little")
+
+
+def select_features(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the top-k features by |score| for one position, best first (ties: lower id first)."""
+    if k >= scores.size:
+        order = np.argsort(-np.abs(scores), kind="stable")
+        return order
+    magnitude = np.abs(scores)
+    part = np.argpartition(-magnitude, k - 1)[:k]
+    return part[np.lexsort((part, -magnitude[part]))]
+
+
+# ----------------------------------------------------------------------------------------------- tiers
+@dataclass(frozen=True)
+class TierSettings:
+    enabled: bool = True
+    capacity: int = 4096             # keys per layer
+    policy: str = "drop"             # the seed drops new entries when full; "lru" evicts the least recent
+    byte_budget: int | None = None   # optional cap on the tier's total bytes
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if not 1 <= self.capacity <= 10_000_000:
+            raise ValueError(f"capacity must be between 1 and 10000000 entries per layer, not {self.capacity}")
+        if self.byte_budget is not None and self.byte_budget < 1:
+            raise ValueError(f"byte budget must be positive, not {self.byte_budget}")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    output: np.ndarray      # (d,) raw FFN output, read-only
+    residual: np.ndarray    # (d,) the normed FFN input it was computed from, read-only
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.nbytes + self.residual.nbytes
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.float32, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+class CacheTier:
+    """One cache tier: per-layer maps from (namespace, feature key) to a small bucket of entries.
+
+    Thread-safe: the L2 tier is shared by every session and thread of the process.
+    """
+
+    def __init__(self, name: str, n_layers: int, settings: TierSettings = TierSettings()):
+        self.name = name
+        self.n_layers = n_layers
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._layers: list[OrderedDict] = [OrderedDict() for _ in range(n_layers)]
+        self._bytes = np.zeros(n_layers, np.int64)
+        self._entries = np.zeros(n_layers, np.int64)
+        self._evictions = np.zeros(n_layers, np.int64)
+        self._dropped = np.zeros(n_layers, np.int64)
+
+    def configure(self, settings: TierSettings) -> None:
+        with self._lock:
+            self.settings = settings
+            for layer in range(self.n_layers):
+                self._shrink(layer, settings.capacity)
+
+    def clear(self) -> None:
+        with self._lock:
+            for layer in range(self.n_layers):
+                self._layers[layer].clear()
+            self._bytes[:] = 0
+            self._entries[:] = 0
+
+    def _valid_layer(self, layer: int) -> bool:
+        return 0 <= layer < self.n_layers
+
+    def lookup(self, layer: int, key, x: np.ndarray | None, tau: float | None) -> CacheEntry | None:
+        """The entry for `key`; with a cosine guard `tau`, the bucket's entry most similar to x if >= tau."""
+        if not self._valid_layer(layer):
+            return None
+        with self._lock:
+            bucket = self._layers[layer].get(key)
+            if bucket is None:
+                return None
+            if self.settings.policy == "lru":
+                self._layers[layer].move_to_end(key)
+            if tau is None:
+                return bucket[-1]
+            best, best_cos = None, tau
+            x_norm = float(np.linalg.norm(x))
+            for entry in bucket:
+                cos = float(entry.residual @ x) / (float(np.linalg.norm(entry.residual)) * x_norm + 1e-30)
+                if cos >= best_cos:
+                    best, best_cos = entry, cos
+            return best
+
+    def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
+        """Insert; returns False when the tier dropped it (full under the drop policy)."""
+        if not self._valid_layer(layer):
+            return False
+        s = self.settings
+        with self._lock:
+            entries = self._layers[layer]
+            bucket = entries.get(key)
+            if bucket is None:
+                if len(entries) >= s.capacity:
+                    if s.policy == "drop":
+                        self._dropped[layer] += 1
+                        return False
+                    self._evict_oldest(layer)
+                bucket = entries[key] = []
+            elif s.policy == "lru":
+                entries.move_to_end(key)
+            # An existing key is always updated (never dropped); buckets keep the newest entries.
+            bucket.append(entry)
+            self._bytes[layer] += entry.nbytes
+            self._entries[layer] += 1
+            while len(bucket) > max(1, bucket_size):
+                old = bucket.pop(0)
+                self._bytes[layer] -= old.nbytes
+                self._entries[layer] -= 1
+            if s.byte_budget is not None:
+                self._enforce_budget(layer, key)
+            return key in entries
+
+    def _evict_oldest(self, layer: int) -> None:
+        _, bucket = self._layers[layer].popitem(last=False)
+        self._bytes[layer] -= sum(e.nbytes for e in bucket)
+        self._entries[layer] -= len(bucket)
+        self._evictions[layer] += 1
+
+    def _shrink(self, layer: int, capacity: int) -> None:
+        while len(self._layers[layer]) > capacity:
+            self._evict_oldest(layer)
+
+    def _enforce_budget(self, layer: int, newest_key) -> None:
+        budget = self.settings.byte_budget
+        while int(self._bytes.sum()) > budget:
+            if self.settings.policy == "drop":
+                # Under drop, the newest entry is the one that does not fit.
+                bucket = self._layers[layer][newest_key]
+                old = bucket.pop()
+                self._bytes[layer] -= old.nbytes
+                self._entries[layer] -= 1
+                if not bucket:
+                    del self._layers[layer][newest_key]
+                self._dropped[layer] += 1
+                return
+            victim_layer = layer if len(self._layers[layer]) > 1 else int(np.argmax(self._bytes))
+            self._evict_oldest(victim_layer)
+
+    def invalidate(self, layer: int, predicate) -> int:
+        """Remove entries of `layer` whose key satisfies predicate(key); returns how many keys went."""
+        if not self._valid_layer(layer):
+            return 0
+        with self._lock:
+            doomed = [k for k in self._layers[layer] if predicate(k)]
+            for k in doomed:
+                bucket = self._layers[layer].pop(k)
+                self._bytes[layer] -= sum(e.nbytes for e in bucket)
+                self._entries[layer] -= len(bucket)
+            return len(doomed)
+
+    def occupancy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, entries, bytes, evictions, dropped) per layer, copied."""
+        with self._lock:
+            keys = np.array([len(d) for d in self._layers], np.int64)
+            return keys, self._entries.copy(), self._bytes.copy(), self._evictions.copy(), self._dropped.copy()
+
+
+# ----------------------------------------------------------------------------------------------- stats
+@dataclass(frozen=True)
+class TierSnapshot:
+    name: str
+    enabled: bool
+    hits: np.ndarray        # per layer
+    misses: np.ndarray
+    keys: np.ndarray
+    entries: np.ndarray
+    bytes: np.ndarray
+    evictions: np.ndarray
+    dropped: np.ndarray
+
+    @property
+    def hit_rate(self) -> float:
+        total = int(self.hits.sum() + self.misses.sum())
+        return float(self.hits.sum()) / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "enabled": self.enabled, "hit_rate": self.hit_rate,
+                "hits": int(self.hits.sum()), "misses": int(self.misses.sum()),
+                "entries": int(self.entries.sum()), "bytes": int(self.bytes.sum()),
+                "evictions": int(self.evictions.sum()), "dropped": int(self.dropped.sum()),
+                "per_layer": {k: getattr(self, k).tolist()
+                              for k in ("hits", "misses", "keys", "entries", "bytes", "evictions", "dropped")}}
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    mean_us: float
+    min_us: float
+    median_us: float     # over the recent window
+
+
+@dataclass(frozen=True)
+class FidelitySummary:
+    checked: int
+    mean_cosine: float
+    min_cosine: float
+    max_abs_error: float
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """Immutable view of the cache statistics, for the GUI, the command line and the HTTP endpoint."""
+    calls: int
+    lookups: int            # decode calls that consulted a cache
+    tiers: dict             # tier name -> TierSnapshot
+    bypasses: dict          # reason -> per-layer counts
+    latency: dict           # outcome -> LatencySummary
+    fidelity: FidelitySummary
+    recent: tuple           # (timestamp, layer, outcome, seconds) of the latest calls
+
+    @property
+    def hits(self) -> int:
+        return int(sum(t.hits.sum() for t in self.tiers.values()))
+
+    @property
+    def bypass_total(self) -> int:
+        return int(sum(v.sum() for v in self.bypasses.values()))
+
+    def to_dict(self) -> dict:
+        return {"calls": self.calls, "lookups": self.lookups,
+                "tiers": {k: v.to_dict() for k, v in self.tiers.items()},
+                "bypasses": {k: {"total": int(v.sum()), "per_layer": v.tolist()} for k, v in self.bypasses.items()},
+                "latency_us": {k: vars(v) for k, v in self.latency.items()},
+                "fidelity": vars(self.fidelity)}
+
+
+class CacheStats:
+    """Thread-safe counters. A session records into its own and into the process-wide one."""
+
+    RECENT = 4096
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        n = self.n_layers
+        with getattr(self, "_lock", threading.Lock()):
+            self._hits = {t: np.zeros(n, np.int64) for t in TIERS}
+            self._misses = {t: np.zeros(n, np.int64) for t in TIERS}
+            self._bypass = {r: np.zeros(n, np.int64) for r in BYPASS_REASONS}
+            self._lat_count = dict.fromkeys(OUTCOMES, 0)
+            self._lat_sum = dict.fromkeys(OUTCOMES, 0.0)
+            self._lat_min = dict.fromkeys(OUTCOMES, float("inf"))
+            self._lat_recent = {o: deque(maxlen=1024) for o in OUTCOMES}
+            self._recent = deque(maxlen=self.RECENT)
+            self._fid_n, self._fid_sum, self._fid_min, self._fid_maxabs = 0, 0.0, 1.0, 0.0
+            self._calls = 0
+            self._lookups = 0
+
+    def record(self, layer: int, outcome: str, seconds: float, *, tier_results=(), bypass: str | None = None) -> None:
+        """tier_results: (tier, hit) in lookup order."""
+        with self._lock:
+            self._calls += 1
+            if tier_results:
+                self._lookups += 1
+            for tier, hit in tier_results:
+                (self._hits if hit else self._misses)[tier][layer] += 1
+            if bypass is not None:
+                self._bypass[bypass][layer] += 1
+            self._lat_count[outcome] += 1
+            self._lat_sum[outcome] += seconds
+            self._lat_min[outcome] = min(self._lat_min[outcome], seconds)
+            self._lat_recent[outcome].append(seconds)
+            self._recent.append((time.monotonic(), layer, outcome, seconds))
+
+    def record_fidelity(self, cosine: float, max_abs: float) -> None:
+        with self._lock:
+            self._fid_n += 1
+            self._fid_sum += cosine
+            self._fid_min = min(self._fid_min, cosine)
+            self._fid_maxabs = max(self._fid_maxabs, max_abs)
+
+    def snapshot(self, tiers: dict[str, list["CacheTier"]], enabled: dict[str, bool]) -> StatsSnapshot:
+        """`tiers`: the tier objects whose occupancy is summed under each tier name (L1: every session's)."""
+        with self._lock:
+            tier_snaps = {}
+            for name in TIERS:
+                keys, entries, nbytes, evictions, dropped = (np.zeros(self.n_layers, np.int64) for _ in range(5))
+                for tier in tiers.get(name, ()):
+                    for total, part in zip((keys, entries, nbytes, evictions, dropped), tier.occupancy()):
+                        total += part
+                on = enabled.get(name, False)
+                tier_snaps[name] = TierSnapshot(name, on, self._hits[name].copy(), self._misses[name].copy(),
+                                                keys, entries, nbytes, evictions, dropped)
+            latency = {}
+            for o in OUTCOMES:
+                n = self._lat_count[o]
+                recent = np.fromiter(self._lat_recent[o], float) if self._lat_recent[o] else np.zeros(0)
+                latency[o] = LatencySummary(n, 1e6 * self._lat_sum[o] / n if n else 0.0,
+                                            1e6 * self._lat_min[o] if n else 0.0,
+                                            1e6 * float(np.median(recent)) if recent.size else 0.0)
+            fid = FidelitySummary(self._fid_n, self._fid_sum / self._fid_n if self._fid_n else float("nan"),
+                                  self._fid_min if self._fid_n else float("nan"), self._fid_maxabs)
+            return StatsSnapshot(self._calls, self._lookups, tier_snaps,
+                                 {r: v.copy() for r, v in self._bypass.items()}, latency, fid,
+                                 tuple(self._recent))
+
+
+# ----------------------------------------------------------------------------------------------- walk FFN
+@dataclass(frozen=True)
+class WalkSettings:
+    top_k: int | None = None          # None: the seed's ratio (79% of the intermediate size)
+    dense: bool = False               # plain dense FFN, no KNN, no cache
+    key_width: int | None = None      # k' <= K ids in the key; None = K (the seed)
+    cosine_guard: float | None = None  # tau: a hit needs cos(x, x0) >= tau
+    bucket_size: int = 4              # entries per key when the guard is on
+    verify_fraction: float = 0.0      # share of hits recomputed to measure their error
+    verify_seed: int = 0
+
+    def __post_init__(self):
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"K must be at least 1, not {self.top_k}")
+        if self.key_width is not None and self.key_width < 1:
+            raise ValueError(f"key width must be at least 1, not {self.key_width}")
+        if self.cosine_guard is not None and not (-1.0 <= self.cosine_guard <= 1.0):
+            raise ValueError(f"cosine guard must be within [-1, 1], not {self.cosine_guard}")
+        if not 1 <= self.bucket_size <= 256:
+            raise ValueError(f"bucket size must be between 1 and 256, not {self.bucket_size}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify fraction must be within [0, 1], not {self.verify_fraction}")
+
+    def resolved(self, intermediate: int) -> "WalkSettings":
+        k = default_top_k(intermediate) if self.top_k is None else self.top_k
+        if k > intermediate:
+            raise ValueError(f"K={k} exceeds the model's {intermediate} features per layer")
+        width = k if self.key_width is None else self.key_width
+        if width > k:
+            raise ValueError(f"key width {width} exceeds K={k}")
+        return replace(self, top_k=k, key_width=width)
+
+
+class FfnGraphs(Protocol):
+    def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+    def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
+    def dense(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+
+
+class PatchState(Protocol):
+    """What the walk needs to know of INSERT overrides (see patches.py)."""
+    epoch: str
+
+    def has_overrides_at(self, layer: int) -> bool: ...
+
+
+class NoPatches:
+    epoch = "clean"
+
+    def has_overrides_at(self, layer: int) -> bool:
+        return False
+
+
+class WalkFfn:
+    """The FfnCall of one session: sparse walk over the top-K features, through L1 then L2."""
+
+    def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
+                 l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
+                 patches: PatchState | None = None):
+        self.graphs = graphs
+        self.intermediate = intermediate
+        self.settings = settings.resolved(intermediate)
+        self.model_checksum = model_checksum
+        self.l1, self.l2 = l1, l2
+        self.stats = stats
+        self.patches = patches or NoPatches()
+        self.full_k = is_full_k(self.settings.top_k, intermediate)
+        self._rng = np.random.default_rng(self.settings.verify_seed)
+
+    @property
+    def namespace(self) -> tuple:
+        s = self.settings
+        return (self.model_checksum, s.top_k, s.key_width, self.patches.epoch)
+
+    def _record(self, layer, outcome, started, **kw):
+        seconds = time.perf_counter() - started
+        for st in self.stats:
+            st.record(layer, outcome, seconds, **kw)
+
+    def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(T, F) 0/1 mask of the top-K features per position, and each position's selection (best first)."""
+        k = self.settings.top_k
+        mask = np.zeros_like(scores)
+        picks = []
+        for t in range(scores.shape[0]):
+            chosen = select_features(scores[t], k)
+            mask[t, chosen] = 1.0
+            picks.append(chosen)
+        return mask, picks
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        started = time.perf_counter()
+        s = self.settings
+        if s.dense:
+            out = self.graphs.dense(layer, x)
+            self._record(layer, "dense", started)
+            return out
+        if self.full_k:
+            out = self.graphs.dense(layer, x)
+            self._record(layer, "dense", started, bypass="full_k")
+            return out
+        scores = self.graphs.gate_scores(layer, x)
+        mask, picks = self.mask_for(scores)
+        tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
+        bypass = ("prefill" if x.shape[0] != 1 else "patched" if self.patches.has_overrides_at(layer)
+                  else "cache_off" if not tiers else None)
+        if bypass is not None:
+            out = self.graphs.walk(layer, x, scores, mask)
+            self._record(layer, "bypass", started, bypass=bypass)
+            return out
+        key = (self.namespace, feature_key(picks[0][:s.key_width]))
+        x0 = x[0]
+        tau = s.cosine_guard
+        results = []
+        for i, tier in enumerate(tiers):
+            entry = tier.lookup(layer, key, x0, tau)
+            results.append((tier.name, entry is not None))
+            if entry is not None:
+                for upper in tiers[:i]:           # an L2 hit fills L1
+                    upper.store(layer, key, entry, s.bucket_size if tau is not None else 1)
+                self._record(layer, "hit", started, tier_results=tuple(results))
+                if s.verify_fraction and self._rng.random() < s.verify_fraction:
+                    self._verify(layer, x, scores, mask, entry.output)   # not part of the hit's latency
+                return entry.output[None, :].copy()
+        out = self.graphs.walk(layer, x, scores, mask)
+        entry = CacheEntry(_frozen(out[0]), _frozen(x0))
+        for tier in tiers:
+            tier.store(layer, key, entry, s.bucket_size if tau is not None else 1)
+        self._record(layer, "miss", started, tier_results=tuple(results))
+        return out
+
+    def _verify(self, layer, x, scores, mask, cached: np.ndarray) -> None:
+        fresh = self.graphs.walk(layer, x, scores, mask)[0]
+        denom = float(np.linalg.norm(fresh) * np.linalg.norm(cached))
+        cosine = float(fresh @ cached) / denom if denom else 1.0
+        max_abs = float(np.max(np.abs(fresh - cached)))
+        for st in self.stats:
+            st.record_fidelity(cosine, max_abs)
