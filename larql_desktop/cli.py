@@ -26,13 +26,14 @@ def _load(args, quiet_progress: bool = False):
 
 def cmd_chat(args) -> int:
     from .engine.generation import SamplingSettings
-    from .engine.session import ChatSession
+    from .engine.engine import LarqlEngine
 
     settings = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
     model = _load(args, quiet_progress=True)
     print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
-    session = ChatSession(model)
+    engine = LarqlEngine(model, walk=_walk_settings(args))
+    session = engine.new_session()
     decode_seconds = 0.0
     decode_tokens = 0
     first = None
@@ -47,8 +48,10 @@ def cmd_chat(args) -> int:
             sys.stdout.flush()
     sys.stdout.write("\n")
     rate = decode_tokens / decode_seconds if decode_seconds else float("nan")
+    snap = engine.session_snapshot(session)
     print(f"prefill: {first.prompt_tokens} tokens in {first.seconds:.3f} s; decode: {decode_tokens} tokens at "
-          f"{rate:.1f} tok/s", file=sys.stderr)
+          f"{rate:.1f} tok/s; cache: {snap.hits} hits in {snap.lookups} decode lookups, "
+          f"{snap.bypass_total} bypasses", file=sys.stderr)
     return 0
 
 
@@ -76,6 +79,48 @@ def cmd_verify_reference(args) -> int:
     return 0
 
 
+def _walk_settings(args):
+    from .engine.ffn_cache import WalkSettings
+
+    return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
+                        key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None))
+
+
+def cmd_bench_ffn_cache(args) -> int:
+    from .engine.measure import bench_ffn_cache, format_bench
+
+    model = _load(args, quiet_progress=True)
+    walk = _walk_settings(args).resolved(model.config.intermediate)
+    layer = model.config.n_layers // 2 if args.layer is None else args.layer
+    rows = bench_ffn_cache(model, layer, walk.top_k, args.iters)
+    for line in format_bench(model, layer, rows, walk.top_k):
+        print(line)
+    return 0
+
+
+def cmd_hitrates(args) -> int:
+    import json
+
+    from .engine.measure import format_hitrates, read_scenarios, run_hitrates
+
+    scenarios = read_scenarios(args.scenarios)
+    walk = _walk_settings(args)
+    model = _load(args, quiet_progress=True)
+    walk.resolved(model.config.intermediate)
+    results = run_hitrates(model, scenarios, walk, max_tokens=args.max_tokens,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
+    for line in format_hitrates(model, walk, results):
+        print(line)
+    if args.json:
+        resolved = walk.resolved(model.config.intermediate)
+        doc = {name: r.to_dict() for name, r in results.items()}
+        doc["_run"] = {"model": model.name, "top_k": resolved.top_k, "key_width": resolved.key_width,
+                       "cosine_guard": resolved.cosine_guard, "max_tokens": args.max_tokens}
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
 def cmd_gui(args) -> int:
     from .qt.app import run_app
 
@@ -99,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
+                      help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
+    chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -107,6 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--model", default=None, help="only this model (reference name or packaged key)")
     verify.add_argument("--threads", type=int, default=argparse.SUPPRESS)
     verify.set_defaults(func=cmd_verify_reference)
+    bench = sub.add_parser("bench-ffn-cache", help="the seed's one-layer cache benchmark")
+    common(bench)
+    bench.add_argument("--layer", type=int, default=None, help="layer to benchmark (default: the middle one)")
+    bench.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    bench.add_argument("--iters", type=int, default=200)
+    bench.set_defaults(func=cmd_bench_ffn_cache)
+
+    hit = sub.add_parser("hitrates", help="the seed's expected-hit-rate scenarios, measured")
+    common(hit)
+    hit.add_argument("--scenarios", required=True, help="scenario file (hitrate_scenarios.json format)")
+    hit.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    hit.add_argument("--key-k", type=int, default=None, help="key on the top k' of the K ids (default K)")
+    hit.add_argument("--guard", type=float, default=None, help="cosine guard tau for a hit (default off)")
+    hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
+    hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    hit.set_defaults(func=cmd_hitrates)
     parser.set_defaults(func=cmd_gui)
     return parser
 

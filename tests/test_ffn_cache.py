@@ -8,7 +8,8 @@ import pytest
 
 from larql_desktop.engine.engine import LarqlEngine
 from larql_desktop.engine.ffn_cache import (CacheEntry, CacheStats, CacheTier, TierSettings, WalkFfn,
-                                            WalkSettings, default_top_k, feature_key, is_full_k, select_features)
+                                            WalkSettings, default_top_k, feature_key, is_full_k, key_features,
+                                            select_features)
 from larql_desktop.engine.generation import SamplingSettings
 from larql_desktop.engine.model import KvCache
 
@@ -34,7 +35,10 @@ def test_different_sets_give_different_keys():
 
 def test_select_features_by_magnitude_keeps_signed_scores():
     scores = np.array([0.1, -5.0, 3.0, -0.2, 4.0], np.float32)
-    assert select_features(scores, 3).tolist() == [1, 4, 2]
+    chosen = select_features(scores, 3)
+    assert sorted(chosen.tolist()) == [1, 2, 4]
+    assert sorted(key_features(scores, chosen, 2).tolist()) == [1, 4]
+    assert key_features(scores, chosen, 3) is chosen
 
 
 def test_default_k_is_the_seed_ratio_and_below_full_k():

@@ -46,13 +46,17 @@ def feature_key(feature_ids: np.ndarray) -> int:
 
 
 def select_features(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the top-k features by |score| for one position, best first (ties: lower id first)."""
+    """Indices of the top-k features by |score| for one position (in no particular order)."""
     if k >= scores.size:
-        order = np.argsort(-np.abs(scores), kind="stable")
-        return order
-    magnitude = np.abs(scores)
-    part = np.argpartition(-magnitude, k - 1)[:k]
-    return part[np.lexsort((part, -magnitude[part]))]
+        return np.arange(scores.size)
+    return np.argpartition(-np.abs(scores), k - 1)[:k]
+
+
+def key_features(scores: np.ndarray, selected: np.ndarray, width: int) -> np.ndarray:
+    """The `width` strongest of the selected features: what the cache key is built from."""
+    if width >= selected.size:
+        return selected
+    return selected[np.argpartition(-np.abs(scores[selected]), width - 1)[:width]]
 
 
 # ----------------------------------------------------------------------------------------------- tiers
@@ -417,8 +421,9 @@ class WalkFfn:
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
                  l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
-                 patches: PatchState | None = None):
+                 patches: PatchState | None = None, key_log: list | None = None):
         self.graphs = graphs
+        self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
         self.settings = settings.resolved(intermediate)
         self.model_checksum = model_checksum
@@ -439,7 +444,7 @@ class WalkFfn:
             st.record(layer, outcome, seconds, **kw)
 
     def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(T, F) 0/1 mask of the top-K features per position, and each position's selection (best first)."""
+        """(T, F) 0/1 mask of the top-K features per position, and each position's selection."""
         k = self.settings.top_k
         mask = np.zeros_like(scores)
         picks = []
@@ -469,7 +474,9 @@ class WalkFfn:
             out = self.graphs.walk(layer, x, scores, mask)
             self._record(layer, "bypass", started, bypass=bypass)
             return out
-        key = (self.namespace, feature_key(picks[0][:s.key_width]))
+        key = (self.namespace, feature_key(key_features(scores[0], picks[0], s.key_width)))
+        if self.key_log is not None:
+            self.key_log.append((layer, key))
         x0 = x[0]
         tau = s.cosine_guard
         results = []

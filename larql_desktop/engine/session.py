@@ -26,6 +26,13 @@ class ChatSession:
         # state (re-running the last prompt token alone would differ from the batched prefill by rounding).
         self._prompt_logits: tuple[tuple[int, ...], np.ndarray] | None = None
 
+    def reset(self) -> None:
+        """Start a new conversation in this session; its L1 cache and statistics are kept."""
+        self.messages.clear()
+        self.kv.truncate(0)
+        self.history.clear()
+        self._prompt_logits = None
+
     def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
         tok = self.model.tokenizer
         decoder = tok.stream_decoder()

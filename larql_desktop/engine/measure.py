@@ -1,0 +1,273 @@
+"""Measurements of what the cache gains and costs: the seed's one-layer benchmark and its hit-rate table."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .engine import LarqlEngine
+from .ffn_cache import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
+from .generation import SamplingSettings
+from .model import KvCache
+from .runtime import LoadedModel
+
+Log = Callable[[str], None]
+
+
+# ------------------------------------------------------------------------------------------ bench-ffn-cache
+def capture_residuals(model: LoadedModel, layer: int, prompt: str, n: int) -> np.ndarray:
+    """Normed FFN inputs of `layer` at n real decode steps (dense FFN, greedy)."""
+    captured: list[np.ndarray] = []
+
+    def recording_ffn(i: int, x: np.ndarray) -> np.ndarray:
+        if i == layer and x.shape[0] == 1:
+            captured.append(x.copy())
+        return model.ffn.dense(i, x)
+
+    ids = model.encode_prompt([{"role": "user", "content": prompt}])
+    kv = KvCache(model.config)
+    logits = model.transformer.forward(ids, kv, recording_ffn)[-1]
+    while len(captured) < n and kv.length < model.context_limit - 1:
+        logits = model.transformer.forward([int(np.argmax(logits))], kv, recording_ffn)[-1]
+    return np.stack(captured[:n])
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    mode: str
+    calls: int
+    min_us: float
+    median_us: float
+    hit_rate: float | None = None
+
+
+def _timed(fn, inputs) -> np.ndarray:
+    out = np.empty(len(inputs))
+    for i, x in enumerate(inputs):
+        t = time.perf_counter()
+        fn(x)
+        out[i] = time.perf_counter() - t
+    return out * 1e6
+
+
+def bench_ffn_cache(model: LoadedModel, layer: int, top_k: int | None, iters: int, rotate: int = 16,
+                    prompt: str = "Explain how a cache speeds up a program.") -> list[BenchRow]:
+    cfg = model.config
+    if not 0 <= layer < cfg.n_layers:
+        raise ValueError(f"layer must be within 0..{cfg.n_layers - 1}, not {layer}")
+    if iters < 1:
+        raise ValueError("iters must be at least 1")
+    residuals = capture_residuals(model, layer, prompt, rotate)
+    x0 = residuals[0]
+    settings = WalkSettings(top_k=top_k)
+    n = cfg.n_layers
+
+    def walk(l1: CacheTier | None) -> WalkFfn:
+        return WalkFfn(model.ffn, cfg.intermediate, model.checksum, settings, l1, None, (CacheStats(n),))
+
+    rows = []
+    baseline = walk(CacheTier("L1", n, TierSettings(enabled=False)))
+    rows.append(("baseline (no cache)", _timed(lambda x: baseline(layer, x), [x0] * iters), None))
+
+    # A fresh tier per call: every call is a miss that computes and stores.
+    fresh = [walk(CacheTier("L1", n)) for _ in range(iters)]
+    times = np.empty(iters)
+    for i, w in enumerate(fresh):
+        t = time.perf_counter()
+        w(layer, x0)
+        times[i] = (time.perf_counter() - t) * 1e6
+    rows.append(("cold cache (miss + store)", times, None))
+
+    warm = walk(CacheTier("L1", n))
+    warm(layer, x0)
+    rows.append(("warm cache (100% hit)", _timed(lambda x: warm(layer, x), [x0] * iters), None))
+
+    rotating = walk(CacheTier("L1", n))
+    stats = rotating.stats[0]
+    inputs = [residuals[i % len(residuals)] for i in range(iters)]   # the vector timed is the one looked up
+    rot_times = _timed(lambda x: rotating(layer, x), inputs)
+    snap = stats.snapshot({"L1": [rotating.l1]}, {"L1": True})
+    rows.append((f"rotating {len(residuals)} real residuals", rot_times, snap.tiers["L1"].hit_rate))
+
+    rows.append(("dense FFN (reference)", _timed(lambda x: model.ffn.dense(layer, x), [x0] * iters), None))
+    return [BenchRow(name, len(t), float(t.min()), float(np.median(t)), hr) for name, t, hr in rows]
+
+
+def format_bench(model: LoadedModel, layer: int, rows: list[BenchRow], top_k: int) -> list[str]:
+    lines = [f"bench-ffn-cache: {model.name}, layer {layer}, K={top_k} of {model.config.intermediate}, "
+             f"{model.threads} threads",
+             f"{'mode':34s} {'calls':>6s} {'min us':>9s} {'median us':>10s} {'hit rate':>9s}"]
+    for r in rows:
+        hr = "" if r.hit_rate is None else f"{100 * r.hit_rate:8.1f}%"
+        lines.append(f"{r.mode:34s} {r.calls:6d} {r.min_us:9.1f} {r.median_us:10.1f} {hr:>9s}")
+    base = rows[0].median_us
+    warm = next(r for r in rows if r.mode.startswith("warm"))
+    lines.append(f"warm hit / baseline median: {warm.median_us / base:.2f}x")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ hitrates
+SEED_EXPECTED = {   # the seed's "Expected Hit Rates" table
+    "repeated": ("~100%", "—"),
+    "paraphrase": ("60–90%", "—"),
+    "common_factual": ("10–20%", "60–80%"),
+    "novel": ("5–10%", "20–30%"),
+}
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    l1_hits: int = 0
+    l1_lookups: int = 0
+    l2_hits: int = 0
+    l2_lookups: int = 0
+    cross_hits: int = 0           # lookups whose key another prompt of the scenario also looked up
+    cross_lookups: int = 0
+    fidelity: FidelitySummary | None = None
+    agree_tokens: int = 0
+    total_tokens: int = 0
+    identical_texts: int = 0
+    generations: int = 0
+
+    def rate(self, hits, lookups):
+        return hits / lookups if lookups else None
+
+    def to_dict(self) -> dict:
+        fid = self.fidelity if self.fidelity is not None and self.fidelity.checked else None
+        return {
+            "l1_hit_rate": self.rate(self.l1_hits, self.l1_lookups), "l1_lookups": self.l1_lookups,
+            "l2_hit_rate": self.rate(self.l2_hits, self.l2_lookups), "l2_lookups": self.l2_lookups,
+            "cross_prompt_key_overlap": self.rate(self.cross_hits, self.cross_lookups),
+            "hit_cosine_mean": fid.mean_cosine if fid else None,
+            "hit_cosine_min": fid.min_cosine if fid else None,
+            "hit_max_abs_error": fid.max_abs_error if fid else None,
+            "greedy_token_agreement": self.rate(self.agree_tokens, self.total_tokens),
+            "identical_generations": self.identical_texts, "generations": self.generations,
+            "seed_expected": {"L1": SEED_EXPECTED[self.name][0], "L2": SEED_EXPECTED[self.name][1]},
+        }
+
+
+def read_scenarios(path: str | Path) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read scenarios file {path}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    scenarios = doc.get("scenarios") if isinstance(doc, dict) else None
+    if not isinstance(scenarios, dict):
+        raise ValueError(f"{path}: expected an object with a 'scenarios' mapping")
+    unknown = set(scenarios) - set(SEED_EXPECTED)
+    if unknown:
+        raise ValueError(f"{path}: unknown scenario(s) {sorted(unknown)}; expected {sorted(SEED_EXPECTED)}")
+    return scenarios
+
+
+def run_hitrates(model: LoadedModel, scenarios: dict, walk: WalkSettings, max_tokens: int = 32,
+                 log: Log = lambda s: None) -> dict[str, ScenarioResult]:
+    kind = "chat" if model.is_chat else "text"
+    settings = SamplingSettings(max_tokens=max_tokens)
+    reference_tokens: dict[str, list[int]] = {}
+    off = LarqlEngine(model, walk=walk, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+
+    def cache_off_tokens(prompt: str) -> list[int]:
+        if prompt not in reference_tokens:
+            session = off.new_session()
+            reference_tokens[prompt] = [s.token_id for s in session.reply(prompt, settings)]
+            off.close_session(session)
+        return reference_tokens[prompt]
+
+    measured_walk = WalkSettings(**{**vars(walk), "verify_fraction": 1.0})
+    results: dict[str, ScenarioResult] = {}
+
+    for name, sets in scenarios.items():
+        prompts = sets.get(kind, [])
+        if not prompts:
+            continue
+        result = results[name] = ScenarioResult(name)
+        engine = LarqlEngine(model, walk=measured_walk)
+
+        def measure(session, generate, prompt, tiers=("L1", "L2")):
+            """Run one generation; count its decode lookups and hits on the given tiers."""
+            before = engine.session_snapshot(session)
+            tokens = [s.token_id for s in generate()]
+            after = engine.session_snapshot(session)
+            if "L1" in tiers:
+                result.l1_hits += int(after.tiers["L1"].hits.sum() - before.tiers["L1"].hits.sum())
+                result.l1_lookups += int(after.lookups - before.lookups)
+            if "L2" in tiers:
+                l2_hits = int(after.tiers["L2"].hits.sum() - before.tiers["L2"].hits.sum())
+                l2_miss = int(after.tiers["L2"].misses.sum() - before.tiers["L2"].misses.sum())
+                result.l2_hits += l2_hits
+                result.l2_lookups += l2_hits + l2_miss
+            reference = cache_off_tokens(prompt)
+            result.agree_tokens += sum(a == b for a, b in zip(tokens, reference))
+            result.total_tokens += max(len(tokens), len(reference))
+            result.identical_texts += int(tokens == reference)
+            result.generations += 1
+            return tokens
+
+        if name == "repeated":
+            for prompt in prompts:
+                session = engine.new_session()
+                list(session.reply(prompt, settings))
+                measure(session, lambda: session.regenerate(settings), prompt, tiers=("L1",))
+                engine.close_session(session)
+        elif name == "paraphrase":
+            for pair in prompts:
+                first, second = pair[0], pair[1]
+                session = engine.new_session()
+                list(session.reply(first, settings))
+                session.reset()               # same session and L1, new conversation
+                measure(session, lambda: session.reply(second, settings), second, tiers=("L1",))
+                engine.close_session(session)
+        else:
+            key_logs: list[set] = []
+            for prompt in prompts:            # pass 1: fresh sessions, L1 within each; warms L2
+                session = engine.new_session()
+                log_keys: list = []
+                session.ffn.key_log = log_keys
+                measure(session, lambda: session.reply(prompt, settings), prompt, tiers=("L1",))
+                key_logs.append(set(log_keys))
+                engine.close_session(session)
+            for prompt in prompts:            # pass 2: fresh sessions against the warmed L2
+                session = engine.new_session()
+                measure(session, lambda: session.reply(prompt, settings), prompt, tiers=("L2",))
+                engine.close_session(session)
+            for i, keys in enumerate(key_logs):
+                others = set().union(*(k for j, k in enumerate(key_logs) if j != i))
+                result.cross_lookups += len(keys)
+                result.cross_hits += len(keys & others)
+        result.fidelity = engine.snapshot().fidelity   # every hit of the scenario verified
+        log(f"{name}: {result.generations} generations, L1 {result.l1_hits}/{result.l1_lookups}, "
+            f"L2 {result.l2_hits}/{result.l2_lookups}")
+    return results
+
+
+def _pct(value) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def format_hitrates(model: LoadedModel, walk: WalkSettings, results: dict[str, ScenarioResult]) -> list[str]:
+    w = walk.resolved(model.config.intermediate)
+    lines = [f"hitrates: {model.name}, K={w.top_k} of {model.config.intermediate}, key width {w.key_width}"
+             + (f", cosine guard {w.cosine_guard}" if w.cosine_guard is not None else ""),
+             f"{'scenario':15s} {'L1':>7s} {'seed L1':>8s} {'L2':>7s} {'seed L2':>8s} {'x-prompt':>8s} "
+             f"{'hit cos mean/min':>17s} {'greedy agree':>12s} {'same text':>9s}"]
+    for name, r in results.items():
+        d = r.to_dict()
+        cos = ("—" if d["hit_cosine_mean"] is None
+               else f"{d['hit_cosine_mean']:.4f}/{d['hit_cosine_min']:.4f}")
+        lines.append(f"{name:15s} {_pct(d['l1_hit_rate']):>7s} {SEED_EXPECTED[name][0]:>8s} "
+                     f"{_pct(d['l2_hit_rate']):>7s} {SEED_EXPECTED[name][1]:>8s} "
+                     f"{_pct(d['cross_prompt_key_overlap']):>8s} {cos:>17s} "
+                     f"{_pct(d['greedy_token_agreement']):>12s} {r.identical_texts:>4d}/{r.generations:<4d}")
+    lines.append("L1/L2: decode lookups that hit. x-prompt: share of a prompt's keys that another prompt of the "
+                 "scenario also produced (what an L2 warmed by *other* prompts could serve). Hit cosine: cached "
+                 "vs freshly computed output on every hit. Greedy agreement: tokens equal to a cache-off run.")
+    return lines
