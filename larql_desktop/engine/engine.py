@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import threading
 
-from .ffn_cache import CacheStats, CacheTier, NoPatches, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
+from .ffn_cache import CacheStats, CacheTier, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
+from .patches import PatchOverlay
 from .runtime import LoadedModel
 from .session import ChatSession
 
@@ -24,7 +25,7 @@ class LarqlEngine:
         self.l1_settings = l1
         self.l2 = CacheTier("L2", n, l2)
         self.stats = CacheStats(n)                    # process-wide: every session records here too
-        self.patches = patches or NoPatches()
+        self.patches = patches if patches is not None else PatchOverlay()
         self.sessions: list[ChatSession] = []
         self._lock = threading.Lock()
 

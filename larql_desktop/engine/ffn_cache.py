@@ -23,12 +23,16 @@ from typing import Protocol
 
 import numpy as np
 
+from .model import ACTIVATIONS
+from .patches import CLEAN_EPOCH, PatchOverlay
+
 SEED_K_RATIO = 8092 / 10240          # the seed's default K on Gemma 3 4B
 FULL_K_NUM, FULL_K_DEN = 4, 5        # K >= 4/5 of the intermediate size -> dense FFN (no KNN, no cache)
 POLICIES = ("drop", "lru")
 BYPASS_REASONS = ("prefill", "full_k", "patched", "cache_off")
 OUTCOMES = ("hit", "miss", "bypass", "dense")
 TIERS = ("L1", "L2")
+PATCH_MODES = ("bypass", "per_feature")
 
 
 def default_top_k(intermediate: int) -> int:
@@ -373,6 +377,9 @@ class WalkSettings:
     bucket_size: int = 4              # entries per key when the guard is on
     verify_fraction: float = 0.0      # share of hits recomputed to measure their error
     verify_seed: int = 0
+    # "bypass": the seed's rule, layers with INSERT overrides skip L1 and L2. "per_feature": such a layer
+    # still uses the cache when the selected features include no overridden one (ADR open question 3).
+    patch_mode: str = "bypass"
 
     def __post_init__(self):
         if self.top_k is not None and self.top_k < 1:
@@ -385,6 +392,8 @@ class WalkSettings:
             raise ValueError(f"bucket size must be between 1 and 256, not {self.bucket_size}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify fraction must be within [0, 1], not {self.verify_fraction}")
+        if self.patch_mode not in PATCH_MODES:
+            raise ValueError(f"patch mode must be one of {', '.join(PATCH_MODES)}, not {self.patch_mode!r}")
 
     def resolved(self, intermediate: int) -> "WalkSettings":
         k = default_top_k(intermediate) if self.top_k is None else self.top_k
@@ -397,31 +406,23 @@ class WalkSettings:
 
 
 class FfnGraphs(Protocol):
+    config: object   # ModelConfig (its activation name is used for overridden features)
+
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray: ...
 
 
-class PatchState(Protocol):
-    """What the walk needs to know of INSERT overrides (see patches.py)."""
-    epoch: str
-
-    def has_overrides_at(self, layer: int) -> bool: ...
-
-
-class NoPatches:
-    epoch = "clean"
-
-    def has_overrides_at(self, layer: int) -> bool:
-        return False
-
-
 class WalkFfn:
-    """The FfnCall of one session: sparse walk over the top-K features, through L1 then L2."""
+    """The FfnCall of one session: sparse walk over the top-K features, through L1 then L2.
+
+    INSERT overrides (a PatchOverlay) are applied on top of the base graphs: overridden features get patched
+    gate scores before selection, are masked out of the base walk and added back from their override vectors.
+    """
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
                  l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
-                 patches: PatchState | None = None, key_log: list | None = None):
+                 patches: PatchOverlay | None = None, key_log: list | None = None):
         self.graphs = graphs
         self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
@@ -429,14 +430,14 @@ class WalkFfn:
         self.model_checksum = model_checksum
         self.l1, self.l2 = l1, l2
         self.stats = stats
-        self.patches = patches or NoPatches()
+        self.patches = patches if patches is not None else PatchOverlay()
         self.full_k = is_full_k(self.settings.top_k, intermediate)
+        self.activation = ACTIVATIONS[graphs.config.activation]
         self._rng = np.random.default_rng(self.settings.verify_seed)
 
-    @property
-    def namespace(self) -> tuple:
+    def namespace(self, epoch: str) -> tuple:
         s = self.settings
-        return (self.model_checksum, s.top_k, s.key_width, self.patches.epoch)
+        return (self.model_checksum, s.top_k, s.key_width, epoch)
 
     def _record(self, layer, outcome, started, **kw):
         seconds = time.perf_counter() - started
@@ -454,51 +455,87 @@ class WalkFfn:
             picks.append(chosen)
         return mask, picks
 
+    def _patched(self, layer: int, x: np.ndarray):
+        """(overrides or None, their gate scores under the overlay (T, n), where each override holds its slot)."""
+        ovr = self.patches.layer(layer)
+        if ovr is None:
+            return None, None, None
+        patched = x @ ovr.gate.T + ovr.gate_bias
+        # An inserted (gated) feature takes over its slot only where its biased gate score is positive; elsewhere
+        # the slot keeps its base feature, so unrelated inputs compute exactly what the base model computes.
+        # Plain overrides (no bias) replace their feature everywhere.
+        return ovr, patched, (patched > 0.0) | ~ovr.gated
+
+    def _walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray, patched=None) -> np.ndarray:
+        """Base walk over `mask`, with each overridden slot computed from its override where that holds."""
+        ovr, patched_scores, holds = patched if patched is not None else self._patched(layer, x)
+        if ovr is None or not holds.any():
+            return self.graphs.walk(layer, x, scores, mask)
+        base_mask = mask.copy()
+        base_mask[:, ovr.features] *= ~holds
+        out = self.graphs.walk(layer, x, scores, base_mask)
+        act = self.activation(patched_scores) * (x @ ovr.up.T) * holds       # (T, n)
+        return out + act @ ovr.down                                          # (T, d)
+
+    def dense(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """The dense FFN under the current overlay."""
+        if self.patches.layer(layer) is None:
+            return self.graphs.dense(layer, x)
+        ones = np.ones((x.shape[0], self.intermediate), np.float32)
+        return self._walk(layer, x, self.graphs.gate_scores(layer, x), ones)
+
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         started = time.perf_counter()
         s = self.settings
-        if s.dense:
-            out = self.graphs.dense(layer, x)
-            self._record(layer, "dense", started)
+        if s.dense or self.full_k:
+            out = self.dense(layer, x)
+            self._record(layer, "dense", started, bypass=None if s.dense else "full_k")
             return out
-        if self.full_k:
-            out = self.graphs.dense(layer, x)
-            self._record(layer, "dense", started, bypass="full_k")
-            return out
+        # Gate KNN: the base features compete exactly as in the base model (an overridden slot keeps its base
+        # score in the ranking), so a patch never reshuffles which base features are selected.
         scores = self.graphs.gate_scores(layer, x)
         mask, picks = self.mask_for(scores)
+        patched = self._patched(layer, x)
+        ovr, _, holds = patched
+        touched = ovr is not None and bool(holds.any())
         tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
-        bypass = ("prefill" if x.shape[0] != 1 else "patched" if self.patches.has_overrides_at(layer)
-                  else "cache_off" if not tiers else None)
+        if x.shape[0] != 1:
+            bypass = "prefill"
+        elif ovr is not None and (s.patch_mode == "bypass" or touched):
+            bypass = "patched"
+        else:
+            bypass = None if tiers else "cache_off"
         if bypass is not None:
-            out = self.graphs.walk(layer, x, scores, mask)
+            out = self._walk(layer, x, scores, mask, patched)
             self._record(layer, "bypass", started, bypass=bypass)
             return out
-        key = (self.namespace, feature_key(key_features(scores[0], picks[0], s.key_width)))
+        # Only untouched feature sets reach here: their output depends on the base weights alone.
+        key = (self.namespace(CLEAN_EPOCH), feature_key(key_features(scores[0], picks[0], s.key_width)))
         if self.key_log is not None:
             self.key_log.append((layer, key))
         x0 = x[0]
         tau = s.cosine_guard
+        bucket = s.bucket_size if tau is not None else 1
         results = []
         for i, tier in enumerate(tiers):
             entry = tier.lookup(layer, key, x0, tau)
             results.append((tier.name, entry is not None))
             if entry is not None:
                 for upper in tiers[:i]:           # an L2 hit fills L1
-                    upper.store(layer, key, entry, s.bucket_size if tau is not None else 1)
+                    upper.store(layer, key, entry, bucket)
                 self._record(layer, "hit", started, tier_results=tuple(results))
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
                     self._verify(layer, x, scores, mask, entry.output)   # not part of the hit's latency
                 return entry.output[None, :].copy()
-        out = self.graphs.walk(layer, x, scores, mask)
+        out = self._walk(layer, x, scores, mask, patched)
         entry = CacheEntry(_frozen(out[0]), _frozen(x0))
         for tier in tiers:
-            tier.store(layer, key, entry, s.bucket_size if tau is not None else 1)
+            tier.store(layer, key, entry, bucket)
         self._record(layer, "miss", started, tier_results=tuple(results))
         return out
 
     def _verify(self, layer, x, scores, mask, cached: np.ndarray) -> None:
-        fresh = self.graphs.walk(layer, x, scores, mask)[0]
+        fresh = self._walk(layer, x, scores, mask)[0]
         denom = float(np.linalg.norm(fresh) * np.linalg.norm(cached))
         cosine = float(fresh @ cached) / denom if denom else 1.0
         max_abs = float(np.max(np.abs(fresh - cached)))

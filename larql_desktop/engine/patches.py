@@ -1,0 +1,263 @@
+"""INSERT overrides: an overlay of per-feature gate/up/down vectors on top of the base weights, and patch files.
+
+The base weights are never modified. A patch is an immutable list of operations; the overlay is rebuilt by
+folding the applied patches in order, so removing a patch restores exactly the previous overlay (and outputs).
+Each layer's epoch is a content hash of that layer's overrides: cache entries are keyed with it, so an entry
+is only served under the very weights it was computed with, even across restarts.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .quants import dequantize, dequantize_rows
+
+PATCH_VERSION = 1
+OPERATIONS = ("insert", "update", "delete")
+CLEAN_EPOCH = "clean"
+
+
+class PatchError(ValueError):
+    """A patch that cannot be applied; nothing was changed."""
+
+
+def encode_vector(v: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(text, length: int, where: str) -> np.ndarray:
+    if not isinstance(text, str):
+        raise PatchError(f"{where}: expected a base64 string")
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise PatchError(f"{where}: invalid base64 ({exc})") from exc
+    if len(raw) != 4 * length:
+        raise PatchError(f"{where}: vector has {len(raw) // 4} values ({len(raw)} bytes), the model needs {length}")
+    v = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    if not np.isfinite(v).all():
+        raise PatchError(f"{where}: vector contains NaN or infinity")
+    return v
+
+
+@dataclass(frozen=True)
+class PatchOperation:
+    op: str                          # insert | update | delete
+    layer: int
+    feature: int
+    gate: np.ndarray | None = None
+    up: np.ndarray | None = None
+    down: np.ndarray | None = None
+    # A gate bias is not in LARQL's format: it lets an inserted feature stay silent (below the activation's
+    # knee) unless the input aligns with the fact's own residual, so unrelated prompts are left alone.
+    gate_bias: float | None = None
+    entity: str = ""
+    relation: str = ""
+    target: str = ""
+
+    def to_json(self) -> dict:
+        doc = {"op": self.op, "layer": self.layer, "feature": self.feature}
+        if self.op == "insert":
+            doc.update(entity=self.entity, relation=self.relation, target=self.target)
+        for name in ("gate", "up", "down"):
+            v = getattr(self, name)
+            if v is not None:
+                doc[name] = encode_vector(v)
+        if self.gate_bias is not None:
+            doc["gate_bias"] = float(self.gate_bias)
+        return doc
+
+
+@dataclass(frozen=True)
+class Patch:
+    operations: tuple[PatchOperation, ...]
+    base_model: str
+    base_checksum: str
+    description: str = ""
+    created_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    name: str = ""
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({op.layer for op in self.operations})
+
+    @property
+    def features(self) -> list[tuple[int, int]]:
+        return sorted({(op.layer, op.feature) for op in self.operations})
+
+    def to_json(self) -> dict:
+        return {"version": PATCH_VERSION, "base_model": self.base_model, "base_checksum": self.base_checksum,
+                "created_at": self.created_at, "description": self.description,
+                "operations": [op.to_json() for op in self.operations]}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+
+def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum: str | None,
+                source: str = "patch") -> Patch:
+    """Validate a whole patch document; any problem refuses all of it with a message naming the problem."""
+    if not isinstance(doc, dict):
+        raise PatchError(f"{source}: expected a JSON object")
+    version = doc.get("version")
+    if version != PATCH_VERSION:
+        raise PatchError(f"{source}: unsupported patch version {version!r} (this app reads version {PATCH_VERSION})")
+    base_checksum = doc.get("base_checksum")
+    if not isinstance(base_checksum, str) or not base_checksum:
+        raise PatchError(f"{source}: missing base_checksum (the GGUF sha256 it was made for)")
+    if checksum is not None and base_checksum != checksum:
+        raise PatchError(f"{source}: made for another model ({doc.get('base_model', '?')}, checksum "
+                         f"{base_checksum[:12]}…), not the loaded one ({checksum[:12]}…)")
+    ops_doc = doc.get("operations")
+    if not isinstance(ops_doc, list) or not ops_doc:
+        raise PatchError(f"{source}: 'operations' must be a non-empty list")
+    ops = []
+    for i, o in enumerate(ops_doc):
+        where = f"{source}: operation {i}"
+        if not isinstance(o, dict):
+            raise PatchError(f"{where}: expected an object")
+        kind = o.get("op")
+        if kind not in OPERATIONS:
+            raise PatchError(f"{where}: unknown op {kind!r} (expected {', '.join(OPERATIONS)})")
+        layer, feature = o.get("layer"), o.get("feature")
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers:
+            raise PatchError(f"{where}: layer {layer!r} is out of range 0..{n_layers - 1}")
+        if not isinstance(feature, int) or isinstance(feature, bool) or not 0 <= feature < intermediate:
+            raise PatchError(f"{where}: feature {feature!r} is out of range 0..{intermediate - 1}")
+        vectors = {name: decode_vector(o[name], hidden, f"{where} {name}") if name in o else None
+                   for name in ("gate", "up", "down")}
+        bias = o.get("gate_bias")
+        if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                 or not np.isfinite(bias)):
+            raise PatchError(f"{where}: gate_bias must be a finite number, not {bias!r}")
+        if kind == "insert" and any(v is None for v in vectors.values()):
+            raise PatchError(f"{where}: an insert needs gate, up and down vectors")
+        if kind == "update" and all(v is None for v in vectors.values()) and bias is None:
+            raise PatchError(f"{where}: an update needs at least one of gate, up, down, gate_bias")
+        if kind == "delete" and (any(v is not None for v in vectors.values()) or bias is not None):
+            raise PatchError(f"{where}: a delete carries no vectors")
+        texts = {k: o.get(k, "") for k in ("entity", "relation", "target")}
+        if not all(isinstance(v, str) for v in texts.values()):
+            raise PatchError(f"{where}: entity, relation and target must be strings")
+        ops.append(PatchOperation(kind, layer, feature, **vectors, gate_bias=None if bias is None else float(bias),
+                                  **texts))
+    return Patch(tuple(ops), str(doc.get("base_model", "")), base_checksum, str(doc.get("description", "")),
+                 str(doc.get("created_at", "")))
+
+
+def load_patch_file(path: str | Path, **model_shape) -> Patch:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PatchError(f"cannot read patch file {path}: {exc.strerror}") from exc
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise PatchError(f"{path}: not valid JSON ({exc})") from exc
+    patch = parse_patch(doc, source=str(path), **model_shape)
+    return Patch(patch.operations, patch.base_model, patch.base_checksum, patch.description, patch.created_at,
+                 name=path.stem)
+
+
+# ----------------------------------------------------------------------------------------------- overlay
+@dataclass(frozen=True)
+class LayerOverrides:
+    """Effective vectors of the overridden features of one layer (gaps filled from the base weights)."""
+    features: np.ndarray   # (n,) int
+    gate: np.ndarray       # (n, d)
+    up: np.ndarray         # (n, d)
+    down: np.ndarray       # (n, d)  the feature's column of W_down
+    gate_bias: np.ndarray  # (n,)
+    gated: np.ndarray      # (n,) bool: inserted features (with a gate bias) take their slot only where they fire
+    epoch: str
+
+    def __post_init__(self):
+        for a in (self.features, self.gate, self.up, self.down, self.gate_bias, self.gated):
+            a.flags.writeable = False
+
+
+class BaseFeatureWeights:
+    """Gate/up rows and down columns of single features, dequantised on demand from the GGUF."""
+
+    def __init__(self, gguf):
+        self.gguf = gguf
+        self._down: dict[int, np.ndarray] = {}
+
+    def vectors(self, layer: int, feature: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t = self.gguf.tensors
+        gate = dequantize_rows(t[f"blk.{layer}.ffn_gate.weight"], np.array([feature]))[0]
+        up = dequantize_rows(t[f"blk.{layer}.ffn_up.weight"], np.array([feature]))[0]
+        if layer not in self._down:
+            self._down[layer] = dequantize(t[f"blk.{layer}.ffn_down.weight"])   # (d, F)
+        return gate, up, self._down[layer][:, feature].copy()
+
+    def down_matrix(self, layer: int) -> np.ndarray:
+        self.vectors(layer, 0)
+        return self._down[layer]
+
+
+class PatchOverlay:
+    """Immutable overlay built from a stack of patches. What the walk FFN consults per layer."""
+
+    def __init__(self, layers: Mapping[int, LayerOverrides] | None = None, patches: tuple[Patch, ...] = ()):
+        self._layers = dict(layers or {})
+        self.patches = patches
+        digest = hashlib.sha256()
+        for layer in sorted(self._layers):
+            digest.update(f"{layer}:{self._layers[layer].epoch};".encode())
+        self.epoch = digest.hexdigest()[:16] if self._layers else CLEAN_EPOCH
+
+    @classmethod
+    def build(cls, patches: Iterable[Patch], base: BaseFeatureWeights) -> "PatchOverlay":
+        patches = tuple(patches)
+        state: dict[tuple[int, int], list] = {}
+        for patch in patches:
+            for op in patch.operations:
+                key = (op.layer, op.feature)
+                if op.op == "delete":
+                    state.pop(key, None)
+                    continue
+                current = state.get(key) or [*base.vectors(op.layer, op.feature), None]
+                new = (op.gate, op.up, op.down, op.gate_bias)
+                state[key] = [v if v is not None else old for v, old in zip(new, current)]
+        by_layer: dict[int, list] = {}
+        for (layer, feature), vecs in sorted(state.items()):
+            by_layer.setdefault(layer, []).append((feature, vecs))
+        layers = {}
+        for layer, items in by_layer.items():
+            features = np.array([f for f, _ in items], np.int64)
+            gate, up, down = (np.stack([v[i] for _, v in items]).astype(np.float32) for i in range(3))
+            gated = np.array([v[3] is not None for _, v in items])
+            bias = np.array([v[3] or 0.0 for _, v in items], np.float32)
+            h = hashlib.sha256(features.tobytes())
+            for a in (gate, up, down, bias):
+                h.update(np.ascontiguousarray(a, "<f4").tobytes())
+            h.update(gated.tobytes())
+            layers[layer] = LayerOverrides(features, gate, up, down, bias, gated, h.hexdigest()[:16])
+        return cls(layers, patches)
+
+    def has_overrides_at(self, layer: int) -> bool:
+        return layer in self._layers
+
+    def layer(self, layer: int) -> LayerOverrides | None:
+        return self._layers.get(layer)
+
+    def layer_epoch(self, layer: int) -> str:
+        lo = self._layers.get(layer)
+        return lo.epoch if lo is not None else CLEAN_EPOCH
+
+    @property
+    def overridden_layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    def claimed(self, layer: int) -> set[int]:
+        lo = self._layers.get(layer)
+        return set(lo.features.tolist()) if lo is not None else set()
