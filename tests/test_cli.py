@@ -17,9 +17,9 @@ def run_cli(*args, timeout=600):
 
 
 def test_chat_prints_reply_and_decode_speed():
-    result = run_cli("chat", "What is the capital of France?", "--max-tokens", "24")
+    result = run_cli("chat", "How many legs does a spider have?", "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    assert "8" in result.stdout or "eight" in result.stdout.lower()
     assert "tok/s" in result.stderr
 
 

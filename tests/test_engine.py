@@ -58,10 +58,12 @@ def test_kv_cache_decode_equals_full_prefill(smollm2):
     assert cos.min() > 0.995
 
 
-def test_chat_answers_capital_of_france(smollm2):
+def test_chat_answers_a_clear_question(smollm2):
+    # "What is the capital of France?" is a near-tie for this model (llama.cpp itself answers "L'Étoile…"),
+    # so the check uses a question whose answer is not a coin flip.
     session = ChatSession(smollm2)
-    text = "".join(s.text for s in session.reply("What is the capital of France?", SamplingSettings(max_tokens=24)))
-    assert "Paris" in text
+    text = "".join(s.text for s in session.reply("How many legs does a spider have?", SamplingSettings(max_tokens=24)))
+    assert "8" in text or "eight" in text.lower()
     assert session.messages[-1] == {"role": "assistant", "content": text}
 
 

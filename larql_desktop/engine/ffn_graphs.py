@@ -1,21 +1,19 @@
 """Per-layer ONNX graphs for the FFN, exported from the GGUF on first use and run with onnxruntime.
 
 Each layer gets two graphs, so the walk FFN can select features between them and a cache hit can skip the
-second:
+second (plus a fused dense graph, gate and walk without the mask, for the dense FFN in one call):
   gate graph  x (T, d)                         -> scores (T, F)    scores = x @ W_gate.T
   walk graph  x (T, d), scores (T, F), mask (T|1, F) -> out (T, d)  out = W_down @ (mask * act(scores) * (W_up x))
 The dense FFN is the walk with an all-ones mask. Weights stay in the GGUF's own blocks (MatMulNBits with the
 exact scales and zero points), so the graphs compute with the same weights as the GGUF, not a requantised copy.
-Files live under <cache>/onnx/<gguf sha256>/ with a manifest of their own checksums: a corrupt or missing file
-is detected at load and rebuilt.
+Files live under <cache>/onnx/<gguf sha256>/ with a manifest of their own checksums (graph_store.GraphStore):
+a corrupt or missing file is detected at load and rebuilt.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+import threading
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -24,14 +22,18 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
 from .gguf import GgufFile
+from .graph_store import OPSET, GraphStore, Progress, make_model, session_options, write_atomic  # noqa: F401
 from .quants import QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
-EXPORT_FORMAT = 1   # bump when the graphs change, so old exports are rebuilt
-# MatMulNBits accuracy level 4 multiplies with int8-quantised activations, as llama.cpp's CPU kernels do;
-# at level 0 onnxruntime 1.32 has no fast kernel for 8-bit weights (Q5_0/Q6_K/Q8_0: ~30x slower).
-ACCURACY_LEVEL = 4
-OPSET = 21          # Gelu with approximate="tanh" needs opset 20+
-Progress = Callable[[str, float], None]
+EXPORT_FORMAT = 2   # bump when the graphs change, so old exports are rebuilt
+
+
+def accuracy_level_for(w) -> int:
+    """MatMulNBits accuracy level for a weight. Level 4 multiplies with int8-quantised activations (as
+    llama.cpp's CPU kernels do); onnxruntime 1.32 needs it for 8-bit weights (Q5_0/Q6_K/Q8_0 are ~30x slower
+    at level 0). 4-bit weights keep fp32 activations: with int8 ones SmolLM2's near-tie answers flip (its
+    "What is the capital of France?" turned from the fp32 model's "Paris." into llama.cpp's "L'Étoile…")."""
+    return 4 if w.bits == 8 else 0
 
 
 def _linear(tensor, input_name: str, output_name: str):
@@ -41,16 +43,11 @@ def _linear(tensor, input_name: str, output_name: str):
     except QuantError:
         wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(tensor).T), output_name + "_Wt")
         return [helper.make_node("MatMul", [input_name, wt.name], [output_name])], [wt]
-    return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name, accuracy_level=ACCURACY_LEVEL)
+    return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
+                                   accuracy_level=accuracy_level_for(w))
 
 
-def _model(nodes, inits, inputs, outputs, name: str) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="larql-desktop")
-    model.ir_version = 10
-    return model
+_model = make_model
 
 
 def build_gate_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
@@ -81,88 +78,83 @@ def build_walk_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Model
                   f"walk_{layer}")
 
 
-def session_options(threads: int) -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = max(1, int(threads))
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Dozens of sessions each with a spinning pool make every call cost milliseconds.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.log_severity_level = 3
-    return opts
+def build_dense_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+    """gate and walk fused, without the mask: the dense FFN in one call."""
+    gate_nodes, gate_inits = _linear(gguf.tensors[f"blk.{layer}.ffn_gate.weight"], "x", "scores")
+    walk = build_walk_graph(gguf, cfg, layer).graph
+    nodes = gate_nodes + [n for n in walk.node if n.output[0] != "hidden"]
+    for n in nodes:                       # the walk's down projection reads the unmasked product
+        for i, name in enumerate(n.input):
+            if name == "hidden":
+                n.input[i] = "gated"
+    return _model(nodes, gate_inits + list(walk.initializer),
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", cfg.hidden])],
+                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", cfg.hidden])],
+                  f"dense_{layer}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_dense_graph}
 
 
 class OnnxFfn:
-    """The exported gate and walk graphs of every layer, loaded into onnxruntime sessions."""
+    """The exported gate, walk and dense graphs of every layer, loaded into onnxruntime sessions.
+
+    All files are checked (and exported again if missing or corrupt) at load; the dense sessions are created
+    then, the gate/walk sessions of a layer on its first walk call (the dense path never needs them).
+    """
 
     def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path,
                  threads: int = 2, progress: Progress | None = None):
         self.config = config
+        self.gguf = gguf
         self.directory = Path(onnx_root) / checksum
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.rebuilt: list[str] = []   # files exported (or re-exported because missing/corrupt) by this load
-        opts = session_options(threads)
-        manifest = self._read_manifest()
-        builders = {"gate": build_gate_graph, "walk": build_walk_graph}
-        self._gate: list[ort.InferenceSession] = []
-        self._walk: list[ort.InferenceSession] = []
+        self._store = GraphStore(self.directory, "manifest.json", EXPORT_FORMAT, progress)
+        self.rebuilt = self._store.rebuilt   # files exported (or re-exported because missing/corrupt) by this load
+        self._opts = session_options(threads)
         n = config.n_layers
+        self._dense: list[ort.InferenceSession] = []
+        self._gate: list[ort.InferenceSession | None] = [None] * n
+        self._walk: list[ort.InferenceSession | None] = [None] * n
+        self._lock = threading.Lock()
         for layer in range(n):
-            for kind, builder in builders.items():
+            for kind, builder in BUILDERS.items():
                 name = f"layer{layer:02d}.{kind}.onnx"
-                data = self._load_verified(name, manifest)
-                session = None
-                if data is not None:
-                    try:
-                        session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-                    except Exception:       # unreadable despite a matching hash: rebuild it
-                        session = None
-                if session is None:
-                    if progress:
-                        progress(f"Exporting layer {layer + 1}/{n} {kind} graph to ONNX", (layer + 0.5) / n)
-                    data = builder(gguf, config, layer).SerializeToString()
-                    _write_atomic(self.directory / name, data)
-                    manifest[name] = hashlib.sha256(data).hexdigest()
-                    self.rebuilt.append(name)
-                    session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-                (self._gate if kind == "gate" else self._walk).append(session)
+                build = partial(builder, gguf, config, layer)
+                message = f"Exporting layer {layer + 1}/{n} {kind} graph to ONNX"
+                if kind == "dense":
+                    self._dense.append(self._store.session(name, build, self._opts, message, (layer + 0.5) / n))
+                else:
+                    self._store.ensure(name, build, message, (layer + 0.5) / n)
             if progress and not self.rebuilt:
                 progress(f"Loading ONNX graphs ({layer + 1}/{n})", (layer + 1) / n)
-        if self.rebuilt:
-            _write_atomic(self.directory / "manifest.json",
-                          json.dumps({"format": EXPORT_FORMAT, "files": manifest}, indent=1).encode())
+        self._store.save()
         self._ones = np.ones((1, config.intermediate), np.float32)
 
-    def _read_manifest(self) -> dict[str, str]:
-        try:
-            doc = json.loads((self.directory / "manifest.json").read_text())
-            if doc.get("format") == EXPORT_FORMAT and isinstance(doc.get("files"), dict):
-                return dict(doc["files"])
-        except (OSError, ValueError):
-            pass
-        return {}
+    def _walk_sessions(self, layer: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+        gate, walk = self._gate[layer], self._walk[layer]
+        if gate is None or walk is None:
+            with self._lock:
+                if self._gate[layer] is None or self._walk[layer] is None:
+                    for kind, sessions in (("gate", self._gate), ("walk", self._walk)):
+                        build = partial(BUILDERS[kind], self.gguf, self.config, layer)
+                        sessions[layer] = self._store.session(f"layer{layer:02d}.{kind}.onnx", build, self._opts,
+                                                              verified=True)
+                gate, walk = self._gate[layer], self._walk[layer]
+        return gate, walk
 
-    def _load_verified(self, name: str, manifest: dict[str, str]) -> bytes | None:
-        try:
-            data = (self.directory / name).read_bytes()
-        except OSError:
-            return None
-        return data if manifest.get(name) == hashlib.sha256(data).hexdigest() else None
+    def load_walk_sessions(self) -> None:
+        """Create every layer's gate/walk sessions now rather than on first use."""
+        for layer in range(self.config.n_layers):
+            self._walk_sessions(layer)
 
     # -- running ------------------------------------------------------------------------------------------
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self._gate[layer].run(None, {"x": x})[0]            # (T, F)
+        return self._walk_sessions(layer)[0].run(None, {"x": x})[0]            # (T, F)
 
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return self._walk[layer].run(None, {"x": x, "scores": scores, "mask": mask})[0]   # (T, d)
+        return self._walk_sessions(layer)[1].run(None, {"x": x, "scores": scores, "mask": mask})[0]   # (T, d)
 
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self.walk(layer, x, self.gate_scores(layer, x), self._ones)
+        return self._dense[layer].run(None, {"x": x})[0]                       # (T, d), one call
 
     __call__ = dense

@@ -1,8 +1,9 @@
 """Forward pass for the llama and gemma3 architectures with a KV cache.
 
 The FFN is not computed here: each layer hands its normed FFN input to an `FfnCall`, which is exactly
-where the walk FFN and its activation cache attach. Attention and the output head run in numpy fp32
-from dequantised GGUF weights.
+where the walk FFN and its activation cache attach. Everything else runs either in per-layer onnxruntime
+graphs (block_graphs.OnnxBlocks, attached with `use_graphs`: the fast path the app uses) or in numpy fp32 from
+dequantised GGUF weights (the reference the graphs are tested against; weights dequantised on first use).
 """
 from __future__ import annotations
 
@@ -88,7 +89,11 @@ class RopeTables:
         self._tables: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
     def get(self, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        needed = int(positions.max()) + 1
+        cos, sin = self.table(base, int(positions.max()) + 1)
+        return cos[positions], sin[positions]   # (T, hd/2)
+
+    def table(self, base: float, needed: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin for positions 0.. at least needed-1: (P, hd/2) each."""
         table = self._tables.get(base)
         if table is None or table[0].shape[0] < needed:
             size = max(needed, 1024, 0 if table is None else 2 * table[0].shape[0])
@@ -96,7 +101,7 @@ class RopeTables:
             angles = np.arange(size, dtype=np.float64)[:, None] * inv_freq[None, :]
             table = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
             self._tables[base] = table
-        return table[0][positions], table[1][positions]   # (T, hd/2)
+        return table
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, adjacent_pairs: bool) -> np.ndarray:
@@ -120,34 +125,45 @@ class TransformerModel:
         self.config = cfg = config or ModelConfig.from_gguf(gguf)
         t = gguf.tensors
 
-        def weight(name: str) -> np.ndarray:
-            if name not in t:
-                raise GgufError(f"{gguf.path}: missing tensor {name!r} for a {cfg.arch} model")
-            return dequantize(t[name])
-
-        def optional(name: str) -> np.ndarray | None:
-            return dequantize(t[name]) if name in t else None
-
-        self.layers: list[AttentionWeights] = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
-            self.layers.append(AttentionWeights(
-                attn_norm=weight(p + "attn_norm.weight"), wq=weight(p + "attn_q.weight"),
-                wk=weight(p + "attn_k.weight"), wv=weight(p + "attn_v.weight"),
-                wo=weight(p + "attn_output.weight"), ffn_norm=weight(p + "ffn_norm.weight"),
-                q_norm=optional(p + "attn_q_norm.weight"), k_norm=optional(p + "attn_k_norm.weight"),
-                post_attn_norm=optional(p + "post_attention_norm.weight"),
-                post_ffn_norm=optional(p + "post_ffw_norm.weight"),
-            ))
-            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+            for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                         "ffn_gate", "ffn_up", "ffn_down"):
                 if f"{p}{name}.weight" not in t:
                     raise GgufError(f"{gguf.path}: missing tensor {p}{name}.weight for a {cfg.arch} model")
-        self.output_norm = weight("output_norm.weight")
+        if "output_norm.weight" not in t:
+            raise GgufError(f"{gguf.path}: missing tensor 'output_norm.weight' for a {cfg.arch} model")
+        self._layers: list[AttentionWeights] | None = None
+        self.output_norm = dequantize(t["output_norm.weight"])
         self.token_embd = t["token_embd.weight"]
         # Tied embeddings when the GGUF has no separate output matrix (both packaged models).
         self._output_tensor = t.get("output.weight", self.token_embd)
         self._output_matrix: np.ndarray | None = None
         self.rope = RopeTables(cfg.head_dim)
+        self.graphs = None   # block_graphs.OnnxBlocks once attached: forward then runs in onnxruntime
+
+    def use_graphs(self, graphs) -> None:
+        """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference)."""
+        self.graphs = graphs
+
+    @property
+    def layers(self) -> list[AttentionWeights]:
+        """Dequantised fp32 attention weights for the numpy path, made on first use (~100 MB)."""
+        if self._layers is None:
+            t = self.gguf.tensors
+
+            def optional(name: str) -> np.ndarray | None:
+                return dequantize(t[name]) if name in t else None
+
+            self._layers = [AttentionWeights(
+                attn_norm=dequantize(t[p + "attn_norm.weight"]), wq=dequantize(t[p + "attn_q.weight"]),
+                wk=dequantize(t[p + "attn_k.weight"]), wv=dequantize(t[p + "attn_v.weight"]),
+                wo=dequantize(t[p + "attn_output.weight"]), ffn_norm=dequantize(t[p + "ffn_norm.weight"]),
+                q_norm=optional(p + "attn_q_norm.weight"), k_norm=optional(p + "attn_k_norm.weight"),
+                post_attn_norm=optional(p + "post_attention_norm.weight"),
+                post_ffn_norm=optional(p + "post_ffw_norm.weight"),
+            ) for p in (f"blk.{i}." for i in range(self.config.n_layers))]
+        return self._layers
 
     # -- pieces -------------------------------------------------------------------------------------------
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -205,9 +221,11 @@ class TransformerModel:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range for a vocabulary of {cfg.vocab_size}")
         start = kv.length
-        positions = np.arange(start, start + ids.size)
         kv.reserve(start + ids.size)
         h = self.embed(ids)
+        if self.graphs is not None:
+            return self._forward_graphs(h, start, kv, ffn, all_logits)
+        positions = np.arange(start, start + ids.size)
         for i, w in enumerate(self.layers):
             a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), kv, positions)
             if w.post_attn_norm is not None:
@@ -219,6 +237,18 @@ class TransformerModel:
             h = h + f
         kv.length = start + ids.size
         return self.logits(h if all_logits else h[-1:])
+
+    def _forward_graphs(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool) -> np.ndarray:
+        cfg, graphs = self.config, self.graphs
+        T = h.shape[0]
+        bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
+        f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
+        for i in range(cfg.n_layers):
+            cos, sin = bases[cfg.rope_base_for(i)]
+            h, x = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin)
+            f = np.ascontiguousarray(ffn(i, x), dtype=np.float32)
+        kv.length = start + T
+        return graphs.run_head(h, f) if all_logits else graphs.run_head(h[-1:], f[-1:])
 
 
 class NumpyDenseFfn:

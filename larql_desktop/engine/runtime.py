@@ -11,6 +11,7 @@ from pathlib import Path
 from .catalog import ModelSpec, Progress, resolve_model
 from .chat_template import render_chat
 from .config import ModelConfig
+from .block_graphs import OnnxBlocks
 from .ffn_graphs import OnnxFfn
 from .gguf import GgufFile
 from .model import TransformerModel
@@ -105,11 +106,20 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
 
     def ffn_progress(message: str, fraction: float) -> None:
         if progress:
-            progress(message, 0.3 + 0.7 * fraction)
+            progress(message, 0.3 + 0.45 * fraction)
 
     ffn = OnnxFfn(gguf, config, checksum, paths.onnx_dir, threads=threads, progress=ffn_progress)
     if ffn.rebuilt:
         log.info("exported %d ONNX graphs for %s to %s", len(ffn.rebuilt), path.name, ffn.directory)
+
+    def blocks_progress(message: str, fraction: float) -> None:
+        if progress:
+            progress(message, 0.75 + 0.25 * fraction)
+
+    blocks = OnnxBlocks(gguf, config, checksum, paths.onnx_dir, threads=threads, progress=blocks_progress)
+    if blocks.rebuilt:
+        log.info("exported %d attention/head graphs for %s", len(blocks.rebuilt), path.name)
+    transformer.use_graphs(blocks)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.2f s", path.name, seconds)
     return LoadedModel(spec.key if spec else path.stem, spec, path, gguf, config, checksum, tokenizer,

@@ -1,0 +1,282 @@
+"""Per-layer ONNX graphs for everything but the FFN, and the output head, run with onnxruntime.
+
+The numpy forward pass (model.py) spends most of a decode step on fp32 attention projections, the fp32 output
+head and Python overhead. These graphs move that work into onnxruntime with the GGUF's own quant blocks
+(MatMulNBits, as the FFN graphs), leaving one call per layer around the FFN:
+
+  layer graph  h (T, d), f (T, d) = previous layer's raw FFN output (zeros before layer 0), KV cache
+      h1 = h + post_ffn_norm_prev(f);  x = rms_norm(h1, attn_norm)
+      q, k, v = x @ [Wq; Wk; Wv].T (one MatMulNBits);  q/k norms (Gemma 3)
+      attention with rope, causal / sliding-window mask and the KV cache (com.microsoft GroupQueryAttention;
+      the cache's numpy buffers are bound as both past and present, so the new keys/values land in place)
+      h_out = h1 + post_attn_norm(attn @ Wo.T);  x_ffn = rms_norm(h_out, ffn_norm)     -> h_out, x_ffn
+  FFN          x_ffn -> f, the FfnCall (unchanged: the walk FFN and the activation cache attach there)
+  head graph   h, f of the last layer -> logits = rms_norm(h + post_ffn_norm(f), output_norm) @ W_out.T
+
+The output head stays in its GGUF blocks (Q8_0 for both packaged models): no fp32 copy of a 262144 x 640
+matrix. Files go through graph_store.GraphStore like the FFN graphs (own manifest, own export format).
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from .config import ModelConfig
+from .ffn_graphs import accuracy_level_for
+from .graph_store import Binding, GraphStore, Progress, make_model, session_options
+from .gguf import GgufFile
+from .quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
+
+BLOCK_EXPORT_FORMAT = 2   # bump when these graphs change, so old exports are rebuilt
+
+
+MANIFEST = "blocks.manifest.json"
+FLOAT = TensorProto.FLOAT
+
+
+def _linear(tensors, input_name: str, output_name: str):
+    """x @ concat(W_i).T for one or more GGUF weights with the same K, in one MatMulNBits when they share
+    a MatMulNBits layout (bits, block size), else one MatMul per weight and a Concat."""
+    try:
+        ws = [to_matmul_nbits(t) for t in tensors]
+    except QuantError:
+        ws = None
+    if ws and all(w.bits == ws[0].bits and w.block_size == ws[0].block_size for w in ws):
+        w0 = ws[0]
+        w = w0 if len(ws) == 1 else NBitsWeight(
+            bits=w0.bits, block_size=w0.block_size, N=sum(w.N for w in ws), K=w0.K,
+            packed=np.concatenate([w.packed for w in ws]), scales=np.concatenate([w.scales for w in ws]),
+            zero_points=np.concatenate([w.zero_points for w in ws]))
+        return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
+                                       accuracy_level=accuracy_level_for(w))
+    nodes, inits, parts = [], [], []
+    for i, t in enumerate(tensors):
+        part = f"{output_name}_part{i}"
+        try:
+            w = to_matmul_nbits(t)
+            n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=accuracy_level_for(w))
+        except QuantError:
+            wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(t).T), part + "_Wt")
+            n, ini = [helper.make_node("MatMul", [input_name, wt.name], [part])], [wt]
+        nodes += n
+        inits += ini
+        parts.append(part)
+    if len(parts) == 1:
+        nodes[-1].output[0] = output_name
+    else:
+        nodes.append(helper.make_node("Concat", parts, [output_name], axis=-1))
+    return nodes, inits
+
+
+def _f32(gguf: GgufFile, name: str) -> np.ndarray:
+    return np.ascontiguousarray(dequantize(gguf.tensors[name]), dtype=np.float32)
+
+
+def _residual_in(gguf: GgufFile, cfg: ModelConfig, layer: int, nodes, inits) -> str:
+    """Name of f as added to the residual stream: the previous layer's post-FFN norm applies (Gemma 3)."""
+    if cfg.has_post_norms and layer > 0:
+        inits.append(numpy_helper.from_array(_f32(gguf, f"blk.{layer - 1}.post_ffw_norm.weight"), "post_ffn_w"))
+        nodes.append(helper.make_node("SimplifiedLayerNormalization", ["f", "post_ffn_w"], ["f_normed"],
+                                      axis=-1, epsilon=float(cfg.norm_eps)))
+        return "f_normed"
+    return "f"
+
+
+def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+    p = f"blk.{layer}."
+    H, KV, hd, d, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, float(cfg.norm_eps)
+    nodes, inits = [], []
+
+    def const(name, array):
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    f_in = _residual_in(gguf, cfg, layer, nodes, inits)
+    const("attn_norm_w", _f32(gguf, p + "attn_norm.weight"))
+    nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h", f_in, "attn_norm_w"],
+                                  ["x", "", "", "h1"], domain="com.microsoft", epsilon=eps))
+    t = gguf.tensors
+    qkv_nodes, qkv_inits = _linear([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]],
+                                   "x", "qkv")
+    nodes += qkv_nodes
+    inits += qkv_inits
+    gqa_in = ["qkv3"]
+    if cfg.has_qk_norm:
+        # Per-head RMS norms of q and k before rope. (GroupQueryAttention's own q/k-norm inputs did not
+        # match the reference here, so they run as separate nodes.)
+        const("qkv_split", np.array([H * hd, KV * hd, KV * hd], np.int64))
+        nodes.append(helper.make_node("Split", ["qkv", "qkv_split"], ["q", "k", "v"], axis=-1))
+        for a, heads in (("q", H), ("k", KV)):
+            const(f"{a}_norm_w", _f32(gguf, f"{p}attn_{a}_norm.weight"))
+            const(f"{a}_heads_shape", np.array([-1, heads, hd], np.int64))
+            const(f"{a}_3d_shape", np.array([1, -1, heads * hd], np.int64))
+            nodes += [helper.make_node("Reshape", [a, f"{a}_heads_shape"], [f"{a}_heads"]),
+                      helper.make_node("SimplifiedLayerNormalization", [f"{a}_heads", f"{a}_norm_w"],
+                                       [f"{a}_normed"], axis=-1, epsilon=eps),
+                      helper.make_node("Reshape", [f"{a}_normed", f"{a}_3d_shape"], [f"{a}3"])]
+        const("v_3d_shape", np.array([1, -1, KV * hd], np.int64))
+        nodes.append(helper.make_node("Reshape", ["v", "v_3d_shape"], ["v3"]))
+        gqa_in = ["q3", "k3", "v3"]
+    else:
+        const("qkv_3d_shape", np.array([1, -1, (H + 2 * KV) * hd], np.int64))
+        nodes.append(helper.make_node("Reshape", ["qkv", "qkv_3d_shape"], ["qkv3"]))
+        gqa_in = ["qkv3", "", ""]
+    window = cfg.window_for(layer)
+    nodes.append(helper.make_node(
+        "GroupQueryAttention", gqa_in + ["past_key", "past_value", "seqlens_k", "total_len", "cos", "sin"],
+        ["attn3", "present_key", "present_value"], domain="com.microsoft",
+        num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=int(cfg.rope_adjacent_pairs),
+        scale=float(cfg.attn_scale),
+        # GQA keeps local_window_size + 1 keys including the query's own; llama.cpp keeps p_q - p_k < window
+        # (checked against the numpy reference in tests/test_fast_paths.py).
+        local_window_size=window if window else -1))
+    const("attn_2d_shape", np.array([-1, H * hd], np.int64))
+    nodes.append(helper.make_node("Reshape", ["attn3", "attn_2d_shape"], ["attn"]))
+    o_nodes, o_inits = _linear([t[p + "attn_output.weight"]], "attn", "a")
+    nodes += o_nodes
+    inits += o_inits
+    a = "a"
+    if cfg.has_post_norms:
+        const("post_attn_w", _f32(gguf, p + "post_attention_norm.weight"))
+        nodes.append(helper.make_node("SimplifiedLayerNormalization", ["a", "post_attn_w"], ["a_normed"],
+                                      axis=-1, epsilon=eps))
+        a = "a_normed"
+    const("ffn_norm_w", _f32(gguf, p + "ffn_norm.weight"))
+    nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h1", a, "ffn_norm_w"],
+                                  ["x_ffn", "", "", "h_out"], domain="com.microsoft", epsilon=eps))
+    cache = [1, KV, "C", hd]
+    inputs = [helper.make_tensor_value_info("h", FLOAT, ["T", d]),
+              helper.make_tensor_value_info("f", FLOAT, ["T", d]),
+              helper.make_tensor_value_info("past_key", FLOAT, cache),
+              helper.make_tensor_value_info("past_value", FLOAT, cache),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_len", TensorProto.INT32, []),
+              helper.make_tensor_value_info("cos", FLOAT, ["P", hd // 2]),
+              helper.make_tensor_value_info("sin", FLOAT, ["P", hd // 2])]
+    outputs = [helper.make_tensor_value_info("h_out", FLOAT, ["T", d]),
+               helper.make_tensor_value_info("x_ffn", FLOAT, ["T", d]),
+               helper.make_tensor_value_info("present_key", FLOAT, cache),
+               helper.make_tensor_value_info("present_value", FLOAT, cache)]
+    return make_model(nodes, inits, inputs, outputs, f"layer_{layer}")
+
+
+def build_head_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    nodes, inits = [], []
+    f_in = _residual_in(gguf, cfg, cfg.n_layers, nodes, inits)
+    inits.append(numpy_helper.from_array(_f32(gguf, "output_norm.weight"), "output_norm_w"))
+    nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h", f_in, "output_norm_w"],
+                                  ["x"], domain="com.microsoft", epsilon=float(cfg.norm_eps)))
+    out = gguf.tensors.get("output.weight", gguf.tensors["token_embd.weight"])   # tied embeddings
+    head_nodes, head_inits = _linear([out], "x", "logits")
+    return make_model(nodes + head_nodes, inits + head_inits,
+                      [helper.make_tensor_value_info("h", FLOAT, ["T", cfg.hidden]),
+                       helper.make_tensor_value_info("f", FLOAT, ["T", cfg.hidden])],
+                      [helper.make_tensor_value_info("logits", FLOAT, ["T", cfg.vocab_size])], "head")
+
+
+class OnnxBlocks:
+    """The layer graphs and the head graph of one model, loaded into onnxruntime sessions.
+
+    `run_layer`/`run_head` are what TransformerModel.forward calls; they bind numpy buffers directly (the
+    KV cache in place, fresh output arrays), so nothing is copied on the way in or out.
+    """
+
+    def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path,
+                 threads: int = 2, progress: Progress | None = None):
+        self.config = config
+        self.directory = Path(onnx_root) / checksum
+        store = GraphStore(self.directory, MANIFEST, BLOCK_EXPORT_FORMAT, progress)
+        self.rebuilt = store.rebuilt
+        n = config.n_layers
+        # Small per-layer matmuls gain nothing from a second thread (waking it costs what it saves);
+        # the head (the largest matmul by far) does.
+        layer_opts, head_opts = session_options(1), session_options(threads)
+        self._layers: list[ort.InferenceSession] = []
+        for layer in range(n):
+            self._layers.append(store.session(
+                f"layer{layer:02d}.attn.onnx", partial(build_layer_graph, gguf, config, layer), layer_opts,
+                f"Exporting layer {layer + 1}/{n} attention graph to ONNX", layer / (n + 1)))
+            if progress and not self.rebuilt:
+                progress(f"Loading attention graphs ({layer + 1}/{n})", (layer + 1) / (n + 1))
+        self._head = store.session("head.onnx", partial(build_head_graph, gguf, config), head_opts,
+                                   "Exporting the output head to ONNX", n / (n + 1))
+        store.save()
+        self._local = threading.local()
+        self._zeros: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def from_sessions(cls, config: ModelConfig, layers: list[ort.InferenceSession],
+                      head: ort.InferenceSession) -> "OnnxBlocks":
+        """Blocks from sessions made elsewhere (tests: graphs built in memory for a modified config)."""
+        self = cls.__new__(cls)
+        self.config, self.directory, self.rebuilt = config, None, []
+        self._layers, self._head = list(layers), head
+        self._local = threading.local()
+        self._zeros = {}
+        return self
+
+    def _state(self):
+        state = getattr(self._local, "state", None)
+        if state is None:   # per thread: bindings are not thread-safe, sessions are
+            state = self._local.state = _ThreadState(self._layers, self._head)
+        return state
+
+    def zeros(self, T: int) -> np.ndarray:
+        z = self._zeros.get(T)
+        if z is None:
+            z = self._zeros[T] = np.zeros((T, self.config.hidden), np.float32)
+        return z
+
+    def run_layer(self, layer: int, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                  start: int, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One layer up to the FFN input; writes rows start..start+T of keys/values (KV, cap, hd) in place.
+        h, f: (T, d) contiguous float32; cos/sin: rope tables covering positions < start + T."""
+        T, d = h.shape
+        state = self._state()
+        state.seqlens[0] = start + T - 1
+        state.total[()] = start + T
+        b = state.layers[layer]
+        h_out = np.empty((T, d), np.float32)
+        x_ffn = np.empty((T, d), np.float32)
+        views = state.kv_views[layer]
+        if views[0] is not keys or views[1] is not values:   # a new cache, or this one grew
+            views = state.kv_views[layer] = (keys, values, keys[None], values[None])
+        keys4, values4 = views[2], views[3]            # (1, KV, cap, hd): past and present share them
+        b.bind_input("h", h)
+        b.bind_input("f", f)
+        b.bind_input("past_key", keys4)
+        b.bind_input("past_value", values4)
+        b.bind_input("seqlens_k", state.seqlens)
+        b.bind_input("total_len", state.total)
+        b.bind_input("cos", cos)
+        b.bind_input("sin", sin)
+        b.bind_output("h_out", h_out)
+        b.bind_output("x_ffn", x_ffn)
+        b.bind_output("present_key", keys4)
+        b.bind_output("present_value", values4)
+        b.run()
+        return h_out, x_ffn
+
+    def run_head(self, h: np.ndarray, f: np.ndarray) -> np.ndarray:
+        b = self._state().head
+        logits = np.empty((h.shape[0], self.config.vocab_size), np.float32)
+        b.bind_input("h", h)
+        b.bind_input("f", f)
+        b.bind_output("logits", logits)
+        b.run()
+        return logits
+
+
+class _ThreadState:
+    def __init__(self, layers, head):
+        self.layers = [Binding(s) for s in layers]
+        self.head = Binding(head)
+        self.kv_views = [(None, None, None, None)] * len(layers)
+        self.seqlens = np.zeros(1, np.int32)     # updated in place, bound once
+        self.total = np.zeros((), np.int32)

@@ -1,0 +1,182 @@
+"""Exported ONNX graphs on disk: one folder per GGUF checksum, a manifest per family of graphs.
+
+Every family (the FFN graphs, the attention/head graphs, ...) keeps its files under
+<cache>/onnx/<gguf sha256>/ and lists their sha256 in its own manifest, stamped with the family's export
+format. At load a file whose hash does not match its manifest entry (missing, truncated, corrupt, from an
+older format) is exported again from the GGUF, and so is one that onnxruntime refuses to load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+OPSET = 21          # Gelu with approximate="tanh" needs opset 20+
+Progress = Callable[[str, float], None]
+PROVIDERS = ["CPUExecutionProvider"]
+
+
+def make_model(nodes, inits, inputs, outputs, name: str) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="larql-desktop")
+    model.ir_version = 10
+    return model
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = max(1, int(threads))
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Dozens of sessions each with a spinning pool make every call cost milliseconds.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.log_severity_level = 3
+    return opts
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _sha256_file(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+class GraphStore:
+    """The verified files of one graph family; `session(name, build)` loads one, exporting it if needed.
+
+    `rebuilt` lists the files exported by this store (missing, corrupt or unloadable ones); call `save()`
+    once all files are loaded so the manifest records them.
+    """
+
+    def __init__(self, directory: Path, manifest_name: str, export_format: int, progress: Progress | None = None):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.manifest_path = self.directory / manifest_name
+        self.export_format = export_format
+        self.progress = progress
+        self.rebuilt: list[str] = []
+        self._manifest = self._read_manifest()
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    def _read_manifest(self) -> dict[str, str]:
+        try:
+            doc = json.loads(self.manifest_path.read_text())
+            if doc.get("format") == self.export_format and isinstance(doc.get("files"), dict):
+                return dict(doc["files"])
+        except (OSError, ValueError, AttributeError):
+            pass
+        return {}
+
+    def is_valid(self, name: str) -> bool:
+        expected = self._manifest.get(name)
+        return expected is not None and _sha256_file(self.directory / name) == expected
+
+    def export(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
+               fraction: float = 0.0) -> Path:
+        if self.progress and message:
+            self.progress(message, fraction)
+        data = build().SerializeToString()
+        path = self.directory / name
+        write_atomic(path, data)
+        with self._lock:
+            self._manifest[name] = hashlib.sha256(data).hexdigest()
+            self.rebuilt.append(name)
+            self._dirty = True
+        return path
+
+    def ensure(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
+               fraction: float = 0.0) -> Path:
+        """The file's path after checking its hash, exported again if it does not match."""
+        if not self.is_valid(name):
+            return self.export(name, build, message, fraction)
+        return self.directory / name
+
+    def session(self, name: str, build: Callable[[], onnx.ModelProto], opts: ort.SessionOptions,
+                message: str | None = None, fraction: float = 0.0, verified: bool = False) -> ort.InferenceSession:
+        """A session on the file `name`; `verified` skips the hash check (done by an earlier `ensure`)."""
+        path = self.directory / name if verified else self.ensure(name, build, message, fraction)
+        try:
+            return ort.InferenceSession(str(path), opts, providers=PROVIDERS)
+        except Exception:       # unreadable despite a matching hash: rebuild it
+            path = self.export(name, build, message, fraction)
+            self.save()
+            return ort.InferenceSession(str(path), opts, providers=PROVIDERS)
+
+    def save(self) -> None:
+        with self._lock:
+            if not self._dirty:
+                return
+            write_atomic(self.manifest_path, json.dumps(
+                {"format": self.export_format, "files": self._manifest}, indent=1).encode())
+            self._dirty = False
+
+
+try:   # onnxruntime's C-level binding: the Python wrapper adds ~8 us of bookkeeping per bound name
+    from onnxruntime.capi import _pybind_state as _C
+    _CPU = _C.OrtDevice(_C.OrtDevice.cpu(), _C.OrtDevice.default_memory(), 0)
+except (ImportError, AttributeError, TypeError):   # pragma: no cover - other onnxruntime builds
+    _C = None
+
+
+class Binding:
+    """An IO binding of one session for one thread, bound to numpy buffers (no copies in or out).
+
+    Each name remembers the array object it is bound to (and keeps it alive), so buffers that stay put (the
+    KV cache, rope tables, scalars updated in place) are bound once; fresh arrays are bound each call.
+    """
+
+    def __init__(self, session: ort.InferenceSession):
+        self._bound: dict[str, np.ndarray] = {}
+        if _C is not None and hasattr(session, "_sess"):
+            self._b = _C.SessionIOBinding(session._sess)
+            self._run = partial(session._sess.run_with_iobinding, self._b, None)
+            self._fast = True
+        else:   # pragma: no cover
+            self._b = session.io_binding()
+            self._run = partial(session.run_with_iobinding, self._b)
+            self._fast = False
+
+    def bind_input(self, name: str, array: np.ndarray) -> None:
+        """Bind a C-contiguous array (kept referenced until rebound: the same object is not bound twice)."""
+        if self._bound.get(name) is array:
+            return
+        if self._fast:
+            self._b.bind_input(name, _CPU, array.dtype, array.shape, array.ctypes.data)
+        else:   # pragma: no cover
+            self._b.bind_input(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        self._bound[name] = array
+
+    def bind_output(self, name: str, array: np.ndarray) -> None:
+        key = "\0" + name
+        if self._bound.get(key) is array:
+            return
+        if self._fast:
+            self._b.bind_output(name, _CPU, array.dtype, array.shape, array.ctypes.data)
+        else:   # pragma: no cover
+            self._b.bind_output(name, "cpu", 0, array.dtype, array.shape, array.ctypes.data)
+        self._bound[key] = array
+
+    def run(self) -> None:
+        self._run()
