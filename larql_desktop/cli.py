@@ -121,6 +121,70 @@ def cmd_hitrates(args) -> int:
     return 0
 
 
+def _show(label: str, text: str) -> None:
+    print(f"{label}: {text!r}")
+
+
+def cmd_insert(args) -> int:
+    from .engine.engine import LarqlEngine
+    from .engine.insert import Fact
+
+    fact = Fact(args.entity, args.relation, args.target)
+    model = _load(args, quiet_progress=True)
+    engine = LarqlEngine(model, walk=_walk_settings(args))
+    ins = engine.inserter()
+    token = ins.target_token(fact.target)
+    before = engine.patches
+    p_before = ins.probability(args.probe, token, before)
+    probe_before = ins.continuation(args.probe, before, args.tokens)[0]
+    control_before = ins.continuation(args.control, before, args.tokens)[0]
+    print(f"model {model.name}, FFN {'dense' if engine.walk_settings.dense else 'walk'}; "
+          f"target token {model.tokenizer.decode([token])!r}")
+    _show("probe before", args.probe + probe_before)
+    _show("control before", args.control + control_before)
+    result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr)
+    after = engine.patches
+    print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) at layer {result.layer}, feature "
+          f"{result.feature}; canonical prompt {fact.canonical_prompt!r}")
+    p_after = ins.probability(args.probe, token, after)
+    probe_after = ins.continuation(args.probe, after, args.tokens)[0]
+    control_after = ins.continuation(args.control, after, args.tokens)[0]
+    _show("probe after", args.probe + probe_after)
+    _show("control after", args.control + control_after)
+    if args.save:
+        result.patch.save(args.save)
+        print(f"saved patch to {args.save}")
+    print(f"target p: {p_before:.4f} -> {p_after:.4f}; control unchanged: "
+          f"{'yes' if control_before == control_after else 'no'}")
+    return 0
+
+
+def cmd_patch(args) -> int:
+    from .engine.engine import LarqlEngine
+
+    model = _load(args, quiet_progress=True)
+    engine = LarqlEngine(model, walk=_walk_settings(args))
+    patch = engine.read_patch(args.file)
+    layers = ", ".join(str(layer) for layer in patch.layers)
+    print(f"valid: {len(patch.operations)} operation(s) on layer(s) {layers} for {model.name}"
+          + (f" — {patch.description}" if patch.description else ""))
+    if args.action == "validate":
+        return 0
+    ins = engine.inserter()
+    inserts = [op for op in patch.operations if op.op == "insert" and op.target]
+    before = engine.patches
+    probe_before = ins.continuation(args.probe, before, args.tokens)[0]
+    p_before = [ins.probability(args.probe, ins.target_token(op.target), before) for op in inserts]
+    after = engine.apply_patch(patch)
+    probe_after = ins.continuation(args.probe, after, args.tokens)[0]
+    _show("probe before", args.probe + probe_before)
+    _show("probe after", args.probe + probe_after)
+    for op, p0 in zip(inserts, p_before):
+        p1 = ins.probability(args.probe, ins.target_token(op.target), after)
+        print(f"target {op.target!r} (layer {op.layer}, feature {op.feature}) p: {p0:.4f} -> {p1:.4f}")
+    return 0
+
+
 def cmd_gui(args) -> int:
     from .qt.app import run_app
 
@@ -171,6 +235,31 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)
+    ins = sub.add_parser("insert", help="INSERT a fact and show the probe before and after")
+    common(ins)
+    ins.add_argument("--entity", required=True)
+    ins.add_argument("--relation", required=True, help="e.g. capital-of")
+    ins.add_argument("--target", required=True)
+    ins.add_argument("--layer", type=int, default=None, help="install layer (default: LARQL's, then neighbours)")
+    ins.add_argument("--alpha", type=float, default=0.1, help="initial down-vector scale (default 0.1)")
+    ins.add_argument("--probe", required=True, help="prompt whose continuation should become the target")
+    ins.add_argument("--control", default="Once upon a time,", help="prompt whose continuation must not change")
+    ins.add_argument("--save", default=None, help="write the patch to this file")
+    ins.add_argument("--tokens", type=int, default=8, help="tokens of greedy continuation shown (default 8)")
+    ins.add_argument("--ffn", choices=("walk", "dense"), default="walk", help="FFN to run (default walk)")
+    ins.set_defaults(func=cmd_insert)
+
+    patch = sub.add_parser("patch", help="validate or apply a patch file")
+    patch_sub = patch.add_subparsers(dest="action", required=True)
+    for action in ("validate", "apply"):
+        p = patch_sub.add_parser(action)
+        common(p)
+        p.add_argument("file")
+        p.add_argument("--ffn", choices=("walk", "dense"), default="walk")
+        p.add_argument("--tokens", type=int, default=8)
+        if action == "apply":
+            p.add_argument("--probe", required=True)
+        p.set_defaults(func=cmd_patch)
     parser.set_defaults(func=cmd_gui)
     return parser
 

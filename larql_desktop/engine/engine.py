@@ -4,7 +4,8 @@ from __future__ import annotations
 import threading
 
 from .ffn_cache import CacheStats, CacheTier, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
-from .patches import PatchOverlay
+from .insert import Fact, Inserter, InsertResult, Progress
+from .patches import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
 from .runtime import LoadedModel
 from .session import ChatSession
 
@@ -26,6 +27,7 @@ class LarqlEngine:
         self.l2 = CacheTier("L2", n, l2)
         self.stats = CacheStats(n)                    # process-wide: every session records here too
         self.patches = patches if patches is not None else PatchOverlay()
+        self.base_weights = BaseFeatureWeights(model.gguf)
         self.sessions: list[ChatSession] = []
         self._lock = threading.Lock()
 
@@ -61,10 +63,54 @@ class LarqlEngine:
                 self.l2.configure(l2)
             self._rebind()
 
-    def set_patches(self, patches) -> None:
+    def set_patches(self, patches: PatchOverlay) -> None:
         with self._lock:
             self.patches = patches
             self._rebind()
+
+    # -- INSERT patches ------------------------------------------------------------------------------------
+    @property
+    def applied_patches(self) -> tuple[Patch, ...]:
+        return self.patches.patches
+
+    def _model_shape(self) -> dict:
+        cfg = self.model.config
+        return dict(n_layers=cfg.n_layers, intermediate=cfg.intermediate, hidden=cfg.hidden,
+                    checksum=self.model.checksum)
+
+    def read_patch(self, path) -> Patch:
+        """Load and validate a patch file for this model (PatchError names the problem)."""
+        return load_patch_file(path, **self._model_shape())
+
+    def validate_patch(self, doc: dict, source: str = "patch") -> Patch:
+        return parse_patch(doc, source=source, **self._model_shape())
+
+    def apply_patch(self, patch: Patch) -> PatchOverlay:
+        if patch.base_checksum != self.model.checksum:
+            raise ValueError("the patch was made for another model")
+        overlay = PatchOverlay.build(self.applied_patches + (patch,), self.base_weights)
+        self.set_patches(overlay)
+        return overlay
+
+    def remove_patch(self, index: int) -> PatchOverlay:
+        patches = list(self.applied_patches)
+        if not 0 <= index < len(patches):
+            raise ValueError(f"no applied patch number {index}")
+        del patches[index]
+        overlay = PatchOverlay.build(patches, self.base_weights)
+        self.set_patches(overlay)
+        return overlay
+
+    def inserter(self) -> Inserter:
+        """INSERT runs with the engine's FFN mode (walk or dense), without caches."""
+        w = self.walk_settings
+        return Inserter(self.model, self.base_weights, WalkSettings(top_k=w.top_k, dense=w.dense))
+
+    def insert(self, fact: Fact, layer: int | None = None, alpha: float = 0.1,
+               progress: Progress | None = None) -> InsertResult:
+        result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress)
+        self.apply_patch(result.patch)
+        return result
 
     def _rebind(self) -> None:
         for s in self.sessions:

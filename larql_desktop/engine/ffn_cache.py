@@ -261,9 +261,10 @@ class LatencySummary:
 @dataclass(frozen=True)
 class FidelitySummary:
     checked: int
-    mean_cosine: float
+    mean_cosine: float       # cached vs fresh output at the hit's own input: the approximation a hit carries
     min_cosine: float
     max_abs_error: float
+    max_stale_error: float   # cached vs recomputed at the entry's own input under current weights: must be 0
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,7 @@ class CacheStats:
             self._lat_min = dict.fromkeys(OUTCOMES, float("inf"))
             self._lat_recent = {o: deque(maxlen=1024) for o in OUTCOMES}
             self._recent = deque(maxlen=self.RECENT)
-            self._fid_n, self._fid_sum, self._fid_min, self._fid_maxabs = 0, 0.0, 1.0, 0.0
+            self._fid_n, self._fid_sum, self._fid_min, self._fid_maxabs, self._fid_stale = 0, 0.0, 1.0, 0.0, 0.0
             self._calls = 0
             self._lookups = 0
 
@@ -334,12 +335,13 @@ class CacheStats:
             self._lat_recent[outcome].append(seconds)
             self._recent.append((time.monotonic(), layer, outcome, seconds))
 
-    def record_fidelity(self, cosine: float, max_abs: float) -> None:
+    def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None:
         with self._lock:
             self._fid_n += 1
             self._fid_sum += cosine
             self._fid_min = min(self._fid_min, cosine)
             self._fid_maxabs = max(self._fid_maxabs, max_abs)
+            self._fid_stale = max(self._fid_stale, stale)
 
     def snapshot(self, tiers: dict[str, list["CacheTier"]], enabled: dict[str, bool]) -> StatsSnapshot:
         """`tiers`: the tier objects whose occupancy is summed under each tier name (L1: every session's)."""
@@ -361,7 +363,8 @@ class CacheStats:
                                             1e6 * self._lat_min[o] if n else 0.0,
                                             1e6 * float(np.median(recent)) if recent.size else 0.0)
             fid = FidelitySummary(self._fid_n, self._fid_sum / self._fid_n if self._fid_n else float("nan"),
-                                  self._fid_min if self._fid_n else float("nan"), self._fid_maxabs)
+                                  self._fid_min if self._fid_n else float("nan"), self._fid_maxabs,
+                                  self._fid_stale)
             return StatsSnapshot(self._calls, self._lookups, tier_snaps,
                                  {r: v.copy() for r, v in self._bypass.items()}, latency, fid,
                                  tuple(self._recent))
@@ -525,7 +528,7 @@ class WalkFfn:
                     upper.store(layer, key, entry, bucket)
                 self._record(layer, "hit", started, tier_results=tuple(results))
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
-                    self._verify(layer, x, scores, mask, entry.output)   # not part of the hit's latency
+                    self._verify(layer, x, scores, mask, entry)   # not part of the hit's latency
                 return entry.output[None, :].copy()
         out = self._walk(layer, x, scores, mask, patched)
         entry = CacheEntry(_frozen(out[0]), _frozen(x0))
@@ -534,10 +537,17 @@ class WalkFfn:
         self._record(layer, "miss", started, tier_results=tuple(results))
         return out
 
-    def _verify(self, layer, x, scores, mask, cached: np.ndarray) -> None:
+    def _verify(self, layer, x, scores, mask, entry: CacheEntry) -> None:
+        """Fidelity: the hit against a fresh computation at this input. Staleness: the entry against a fresh
+        computation at the input it was made from, under the current weights and patches (must be exact)."""
+        cached = entry.output
         fresh = self._walk(layer, x, scores, mask)[0]
         denom = float(np.linalg.norm(fresh) * np.linalg.norm(cached))
         cosine = float(fresh @ cached) / denom if denom else 1.0
         max_abs = float(np.max(np.abs(fresh - cached)))
+        x0 = entry.residual[None, :]
+        scores0 = self.graphs.gate_scores(layer, x0)
+        remade = self._walk(layer, x0, scores0, self.mask_for(scores0)[0])[0]
+        stale = float(np.max(np.abs(remade - cached)))
         for st in self.stats:
-            st.record_fidelity(cosine, max_abs)
+            st.record_fidelity(cosine, max_abs, stale)

@@ -1,0 +1,201 @@
+"""INSERT patches on the real models: facts, patch files, and a cache that never serves stale outputs."""
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import SCENARIOS_DIR
+from larql_desktop.engine.engine import LarqlEngine
+from larql_desktop.engine.ffn_cache import TierSettings, WalkSettings
+from larql_desktop.engine.insert import Fact
+from larql_desktop.engine.patches import Patch, PatchError, PatchOperation, encode_vector
+from test_ffn_cache import run_sequence
+
+FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("fact", FACTS, ids=[f["entity"] for f in FACTS])
+def test_insert_makes_target_the_answer_and_leaves_control_alone(request, model_name, fact):
+    model = request.getfixturevalue(model_name)
+    engine = LarqlEngine(model)
+    ins = engine.inserter()
+    token = ins.target_token(fact["target"])
+    clean = engine.patches
+    control_before = ins.continuation(fact["control"], clean)[1]
+    result = engine.insert(Fact(fact["entity"], fact["relation"], fact["target"]))
+    after = engine.patches
+    p_after = ins.probability(fact["probe"], token, after)
+    greedy_after = ins.continuation(fact["probe"], after, 1)[1]
+    assert p_after >= 0.30 or greedy_after == [token], (result.layer, p_after)
+    assert p_after > 10 * ins.probability(fact["probe"], token, clean)
+    assert ins.continuation(fact["control"], after)[1] == control_before
+    assert engine.patches.has_overrides_at(result.layer)
+
+
+def test_removing_a_patch_restores_bit_identical_outputs(smollm2):
+    engine = LarqlEngine(smollm2)
+    ids = smollm2.tokenizer.encode("The capital of Atlantis is")
+    off = dict(l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+
+    def logits():
+        probe = LarqlEngine(smollm2, patches=engine.patches, **off).new_session()
+        return run_sequence(smollm2, probe.ffn, ids, 4)[1]
+
+    clean = logits()
+    engine.insert(Fact("Atlantis", "capital-of", "Poseidon"))
+    patched = logits()
+    assert not np.array_equal(clean, patched)
+    engine.remove_patch(0)
+    assert engine.applied_patches == () and engine.patches.overridden_layers == []
+    assert np.array_equal(logits(), clean)
+
+
+def test_patch_file_round_trip(smollm2, tmp_path):
+    engine = LarqlEngine(smollm2)
+    result = engine.insert(Fact("Quillmoor", "language-of", "Elvish"))
+    path = tmp_path / "fact.vlp.json"
+    result.patch.save(path)
+    loaded = engine.read_patch(path)
+    assert [op.to_json() for op in loaded.operations] == [op.to_json() for op in result.patch.operations]
+    fresh = LarqlEngine(smollm2)
+    fresh.apply_patch(loaded)
+    assert fresh.patches.epoch == engine.patches.epoch     # same content, same epoch
+
+
+def _valid_doc(model) -> dict:
+    d = model.config.hidden
+    v = encode_vector(np.ones(d, np.float32))
+    return {"version": 1, "base_model": model.name, "base_checksum": model.checksum, "created_at": "now",
+            "description": "test", "operations": [
+                {"op": "insert", "layer": 3, "feature": 5, "entity": "a", "relation": "b", "target": "c",
+                 "gate": v, "up": v, "down": v, "gate_bias": -1.0},
+                {"op": "update", "layer": 4, "feature": 6, "down": v},
+                {"op": "delete", "layer": 3, "feature": 5}]}
+
+
+def _broken(model, change):
+    doc = _valid_doc(model)
+    change(doc)
+    return doc
+
+
+BREAKAGES = {
+    "wrong version": (lambda d: d.update(version=7), "unsupported patch version"),
+    "another model": (lambda d: d.update(base_checksum="0" * 64), "made for another model"),
+    "no operations": (lambda d: d.update(operations=[]), "non-empty list"),
+    "unknown op": (lambda d: d["operations"][1].update(op="rename"), "unknown op"),
+    "layer out of range": (lambda d: d["operations"][1].update(layer=999), "layer 999 is out of range"),
+    "negative feature": (lambda d: d["operations"][1].update(feature=-1), "feature -1 is out of range"),
+    "feature out of range": (lambda d: d["operations"][0].update(feature=10 ** 6), "out of range"),
+    "short vector": (lambda d: d["operations"][1].update(down=encode_vector(np.ones(7, np.float32))),
+                     "the model needs"),
+    "bad base64": (lambda d: d["operations"][1].update(down="@@@not base64@@@"), "invalid base64"),
+    "nan": (lambda d: d["operations"][1].update(down=encode_vector(np.full(576, np.nan, np.float32))),
+            "NaN or infinity"),
+    "insert without up": (lambda d: d["operations"][0].pop("up"), "needs gate, up and down"),
+    "bool layer": (lambda d: d["operations"][1].update(layer=True), "out of range"),
+    "bias not a number": (lambda d: d["operations"][0].update(gate_bias="high"), "gate_bias"),
+}
+
+
+@pytest.mark.parametrize("name", list(BREAKAGES))
+def test_malformed_patches_are_refused_whole(smollm2, tmp_path, name):
+    change, message = BREAKAGES[name]
+    engine = LarqlEngine(smollm2)
+    engine.validate_patch(_valid_doc(smollm2))           # the unbroken document is fine
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_broken(smollm2, change)))
+    with pytest.raises(PatchError, match=message):
+        engine.read_patch(path)
+    assert engine.applied_patches == ()
+
+
+def test_unreadable_patch_files(smollm2, tmp_path):
+    engine = LarqlEngine(smollm2)
+    (tmp_path / "junk.json").write_text("{ this is not json")
+    with pytest.raises(PatchError, match="not valid JSON"):
+        engine.read_patch(tmp_path / "junk.json")
+    with pytest.raises(PatchError, match="cannot read patch file"):
+        engine.read_patch(tmp_path / "missing.json")
+
+
+def test_cache_bypasses_exactly_the_patched_layer_and_matches_cache_off(smollm2):
+    engine = LarqlEngine(smollm2)
+    result = engine.insert(Fact("Atlantis", "capital-of", "Poseidon"))
+    ids = smollm2.tokenizer.encode("The capital of Atlantis is")
+    first, second = engine.new_session(), engine.new_session()
+    tokens_1, logits_1 = run_sequence(smollm2, first.ffn, ids, 6)
+    tokens_2, logits_2 = run_sequence(smollm2, second.ffn, ids, 6)
+    off = LarqlEngine(smollm2, patches=engine.patches, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+    tokens_off, logits_off = run_sequence(smollm2, off.new_session().ffn, ids, 6)
+    assert tokens_1 == tokens_2 == tokens_off
+    assert np.array_equal(logits_1, logits_off) and np.array_equal(logits_2, logits_off)
+    snap = engine.session_snapshot(second)
+    patched = snap.bypasses["patched"]
+    assert patched[result.layer] == 6 and patched.sum() == 6
+    hits = snap.tiers["L2"].hits
+    assert hits[result.layer] == 0
+    assert all(hits[layer] == 6 for layer in range(smollm2.config.n_layers) if layer != result.layer)
+
+
+def test_patch_epochs_keep_states_apart_across_apply_remove_reapply(smollm2):
+    engine = LarqlEngine(smollm2)
+    clean_epoch = engine.patches.epoch
+    result = engine.insert(Fact("Zorbania", "currency-of", "Glimmer"))
+    patched_epoch = engine.patches.epoch
+    layer_epoch = engine.patches.layer_epoch(result.layer)
+    engine.remove_patch(0)
+    assert engine.patches.epoch == clean_epoch != patched_epoch
+    engine.apply_patch(result.patch)
+    assert engine.patches.epoch == patched_epoch and engine.patches.layer_epoch(result.layer) == layer_epoch
+
+
+# ---------------------------------------------------------------------------------- per-feature invalidation
+PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time", "The largest planet is",
+           "My favourite colour is", "The capital of Atlantis is"]
+
+
+def _random_patch(model, rng) -> Patch:
+    """Random overrides: inserted (gated) features that fire on some inputs and not others, plus plain ones."""
+    cfg = model.config
+    ops = []
+    for _ in range(int(rng.integers(1, 4))):
+        layer = int(rng.integers(cfg.n_layers))
+        feature = int(rng.integers(cfg.intermediate))
+        gate = rng.standard_normal(cfg.hidden).astype(np.float32)
+        if rng.random() < 0.8:
+            bias = float(rng.normal(-3.0, 4.0))    # fires on a fraction of inputs
+            ops.append(PatchOperation("insert", layer, feature, gate, rng.standard_normal(cfg.hidden).astype(np.float32),
+                                      rng.standard_normal(cfg.hidden).astype(np.float32) * 0.05, bias, "e", "r", "t"))
+        else:
+            ops.append(PatchOperation("update", layer, feature,
+                                      down=rng.standard_normal(cfg.hidden).astype(np.float32) * 0.05))
+    return Patch(tuple(ops), model.name, model.checksum)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2 ** 31 - 1))
+def test_per_feature_hits_always_equal_fresh_computation(smollm2, seed):
+    rng = np.random.default_rng(seed)
+    engine = LarqlEngine(smollm2, walk=WalkSettings(patch_mode="per_feature", verify_fraction=1.0))
+    for _ in range(4):
+        if engine.applied_patches and rng.random() < 0.35:
+            engine.remove_patch(int(rng.integers(len(engine.applied_patches))))
+        else:
+            engine.apply_patch(_random_patch(smollm2, rng))
+        prompt = PROMPTS[int(rng.integers(len(PROMPTS)))]
+        ids = smollm2.tokenizer.encode(prompt)
+        for _ in range(2):
+            run_sequence(smollm2, engine.new_session().ffn, ids, 3)
+    snap = engine.snapshot()
+    assert snap.fidelity.checked == snap.hits > 0
+    # Every served entry is exactly what the current weights and patches compute from the input that made
+    # it: no patch state ever leaks into another. (A hit's input may still differ slightly from that one —
+    # an upstream patch can nudge a residual without changing its feature set — which is the approximation
+    # the seed's keys always carry, measured by mean/min cosine, not staleness.)
+    assert snap.fidelity.max_stale_error == 0.0
