@@ -1,0 +1,426 @@
+"""The main window: chat tabs, model picker, sampling panel, status. Wiring and layout; the engine is elsewhere."""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, Slot
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (QApplication, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QLabel,
+                               QMainWindow, QProgressBar, QPushButton, QTabWidget, QToolButton, QVBoxLayout,
+                               QWidget)
+
+from ..engine.catalog import PACKAGED_MODELS
+from .protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, TokenEvent
+from .qt_chat_tab import ChatTab
+from .qt_sampling_panel import SamplingPanel
+from .qt_theme import apply_theme
+from .reply_stats import format_load_progress, format_reply_stats
+from .worker import EngineClient
+
+log = logging.getLogger(__name__)
+
+OPEN_GGUF = "__open_gguf__"   # the model picker's "Open GGUF file…" entry
+
+
+class ErrorBanner(QFrame):
+    """A dismissable line above the chats: errors stay visible until read, without a modal dialog."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        self.setStyleSheet("#errorBanner { background: #8b1e1e; border-radius: 3px; } "
+                           "#errorBanner QLabel { color: white; }")
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.label.setAccessibleName("Error message")
+        dismiss = QPushButton("Dismiss")
+        dismiss.setAccessibleName("Dismiss error")
+        dismiss.clicked.connect(self.clear)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(8, 4, 4, 4)
+        layout.addWidget(self.label, 1)
+        layout.addWidget(dismiss)
+        self.hide()
+
+    @property
+    def text(self) -> str:
+        return self.label.text() if not self.isHidden() else ""
+
+    def show_message(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+
+    def clear(self) -> None:
+        self.label.clear()
+        self.hide()
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, client: EngineClient, settings: QSettings, app: QApplication):
+        super().__init__()
+        self.client = client
+        self.settings = settings
+        self.app = app
+        self._session_ids = itertools.count(1)
+        self._closed = False
+        self.setWindowTitle("larql-desktop")
+        self.setObjectName("mainWindow")
+
+        self._build_actions()
+        self._build_menus()
+        self.sampling = SamplingPanel()
+        self.sampling_dock = self.add_panel("Sampling", self.sampling)
+        self._build_model_picker()
+        self._build_central()
+        self._build_status_bar()
+
+        client.model_loaded.connect(self._on_model_loaded)
+        client.load_progress.connect(self._on_load_progress)
+        client.reply_started.connect(self._on_reply_started)
+        client.token.connect(self._on_token)
+        client.reply_finished.connect(self._on_reply_finished)
+        client.error.connect(self._on_error)
+        client.busy_changed.connect(self._update_actions)
+
+        self._restore_settings()
+        self.new_chat()
+        self._update_actions()
+
+    # --- construction ---
+
+    def _action(self, text: str, slot, shortcuts=(), tip: str = "") -> QAction:
+        action = QAction(text, self)
+        if shortcuts:
+            action.setShortcuts([QKeySequence(s) for s in shortcuts])
+        action.setToolTip(f"{tip or text.replace('&', '').rstrip('…')}"
+                          + (f" ({QKeySequence(shortcuts[0]).toString()})" if shortcuts else ""))
+        action.triggered.connect(slot)
+        self.addAction(action)   # shortcuts work whether or not a menu bar is shown
+        return action
+
+    def _build_actions(self) -> None:
+        self.new_chat_action = self._action("&New chat", self.new_chat, ["Ctrl+N"])
+        self.close_chat_action = self._action("&Close chat", lambda: self.close_chat(self.tabs.currentIndex()),
+                                              ["Ctrl+W"])
+        self.open_gguf_action = self._action("&Open GGUF file…", self.open_gguf, ["Ctrl+O"])
+        # QKeySequence.Quit is empty on some platforms (offscreen among them): bind Ctrl+Q explicitly.
+        self.quit_action = self._action("&Quit", self.close, ["Ctrl+Q"])
+        self.send_action = self._action("&Send", self.send, ["Ctrl+Return", "Ctrl+Enter"], "Send the message")
+        self.stop_action = self._action("S&top", self.stop, ["Esc"], "Stop the reply")
+        self.regenerate_action = self._action("&Regenerate", self.regenerate, ["Ctrl+R"],
+                                              "Generate the last reply again")
+        self.dark_theme_action = self._action("&Dark theme", self.set_dark_theme)
+        self.dark_theme_action.setCheckable(True)
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+        file_menu = bar.addMenu("&File")
+        for action in (self.new_chat_action, self.close_chat_action, self.open_gguf_action):
+            file_menu.addAction(action)
+        file_menu.addSeparator()
+        file_menu.addAction(self.quit_action)
+        chat_menu = bar.addMenu("&Chat")
+        for action in (self.send_action, self.stop_action, self.regenerate_action):
+            chat_menu.addAction(action)
+        view_menu = bar.addMenu("&View")
+        view_menu.addAction(self.dark_theme_action)
+        self.panels_menu = view_menu.addMenu("&Panels")
+
+    def _build_model_picker(self) -> None:
+        toolbar = self.addToolBar("Model")
+        toolbar.setObjectName("modelToolbar")
+        label = QLabel("Model: ")
+        self.model_picker = QComboBox()
+        self.model_picker.setAccessibleName("Model")
+        self.model_picker.setToolTip("The model the chats run on")
+        label.setBuddy(self.model_picker)
+        for key, spec in PACKAGED_MODELS.items():
+            self.model_picker.addItem(spec.display_name, key)
+        self.model_picker.insertSeparator(self.model_picker.count())
+        self.model_picker.addItem("Open GGUF file…", OPEN_GGUF)
+        self.model_picker.setCurrentIndex(-1)
+        self.model_picker.activated.connect(self._on_model_picked)   # user choices only, not setCurrentIndex
+        toolbar.addWidget(label)
+        toolbar.addWidget(self.model_picker)
+
+    def _build_central(self) -> None:
+        self.error_banner = ErrorBanner()
+        self.tabs = QTabWidget()
+        self.tabs.setAccessibleName("Chats")
+        self.tabs.setTabsClosable(True)
+        self.tabs.setMovable(True)
+        self.tabs.setDocumentMode(True)
+        self.tabs.tabCloseRequested.connect(self.close_chat)
+        self.tabs.currentChanged.connect(self._update_actions)
+        plus = QToolButton()
+        plus.setDefaultAction(self.new_chat_action)
+        plus.setText("+")
+        plus.setAccessibleName("New chat")
+        self.tabs.setCornerWidget(plus, Qt.TopRightCorner)
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.error_banner)
+        layout.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+
+    def _build_status_bar(self) -> None:
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setMaximumWidth(220)
+        self.progress.setAccessibleName("Model loading progress")
+        self.progress.hide()
+        self.model_label = QLabel("No model loaded")
+        self.model_label.setAccessibleName("Loaded model")
+        self.statusBar().addPermanentWidget(self.progress)
+        self.statusBar().addPermanentWidget(self.model_label)
+
+    def add_panel(self, title: str, widget: QWidget,
+                  area: Qt.DockWidgetArea = Qt.RightDockWidgetArea) -> QDockWidget:
+        """Extension point for tool panels (cache monitor, patch editor…): a dock, tabbed with the others in
+        its area, listed under View > Panels, its place remembered with the window state."""
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"panel:{title}")
+        dock.setWidget(widget)
+        widget.setAccessibleName(f"{title} panel")
+        existing = [d for d in self.findChildren(QDockWidget) if d is not dock and self.dockWidgetArea(d) == area]
+        self.addDockWidget(area, dock)
+        if existing:
+            self.tabifyDockWidget(existing[-1], dock)
+        self.panels_menu.addAction(dock.toggleViewAction())
+        return dock
+
+    # --- chats ---
+
+    def chat_tabs(self) -> list[ChatTab]:
+        return [self.tabs.widget(i) for i in range(self.tabs.count())]
+
+    def current_tab(self) -> ChatTab | None:
+        return self.tabs.currentWidget()
+
+    def tab_for(self, session_id: int) -> ChatTab | None:
+        return next((tab for tab in self.chat_tabs() if tab.session_id == session_id), None)
+
+    @Slot()
+    def new_chat(self) -> ChatTab:
+        session_id = next(self._session_ids)
+        tab = ChatTab(session_id, f"Chat {session_id}", [self.send_action, self.stop_action, self.regenerate_action])
+        self.tabs.setCurrentIndex(self.tabs.addTab(tab, tab.title))
+        tab.input.setFocus()
+        return tab
+
+    @Slot(int)
+    def close_chat(self, index: int) -> None:
+        tab = self.tabs.widget(index)
+        if tab is None:
+            return
+        self.client.close_session(tab.session_id)
+        self.tabs.removeTab(index)
+        tab.deleteLater()
+        if self.tabs.count() == 0:
+            self.new_chat()
+
+    @Slot()
+    def send(self) -> None:
+        tab = self.current_tab()
+        if tab is None or not self.client.ready:
+            return
+        try:
+            settings = self.sampling.settings()
+        except ValueError as exc:
+            self.show_error(f"Sampling settings: {exc}")
+            return
+        self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings)
+
+    @Slot()
+    def regenerate(self) -> None:
+        tab = self.current_tab()
+        if tab is None or not self.client.ready or not tab.transcript.can_regenerate:
+            return
+        try:
+            settings = self.sampling.settings()
+        except ValueError as exc:
+            self.show_error(f"Sampling settings: {exc}")
+            return
+        self.client.regenerate(tab.session_id, settings)
+
+    @Slot()
+    def stop(self) -> None:
+        self.client.stop()
+
+    # --- models ---
+
+    def load_model(self, name_or_path: str) -> None:
+        self._select_model_item(name_or_path)
+        self.progress.setValue(0)
+        self.progress.show()
+        self.statusBar().showMessage(f"Loading {name_or_path}…")
+        self.client.load_model(name_or_path)
+
+    @Slot()
+    def open_gguf(self) -> None:
+        start = str(self.settings.value("models/last_gguf_dir", str(Path.home())))
+        path, _ = QFileDialog.getOpenFileName(self, "Open GGUF file", start, "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.settings.setValue("models/last_gguf_dir", str(Path(path).parent))
+            self.load_model(path)
+        else:
+            self._select_model_item(self.client.model.key if self.client.model else None)
+
+    @Slot(int)
+    def _on_model_picked(self, index: int) -> None:
+        choice = self.model_picker.itemData(index)
+        if choice == OPEN_GGUF:
+            self.open_gguf()
+        elif choice and (self.client.model is None or choice != self._model_choice(self.client.model)):
+            self.load_model(choice)
+
+    @staticmethod
+    def _model_choice(info: ModelInfo) -> str:
+        return info.key if info.packaged else str(info.path)
+
+    def _select_model_item(self, choice: str | None) -> None:
+        if choice is None:
+            self.model_picker.setCurrentIndex(-1)
+            return
+        index = self.model_picker.findData(choice)
+        if index < 0:   # a GGUF file: listed above the separator from now on
+            index = self.model_picker.count() - 2
+            self.model_picker.insertItem(index, Path(choice).name, choice)
+            self.model_picker.setItemData(index, choice, Qt.ToolTipRole)
+        self.model_picker.setCurrentIndex(index)
+
+    @Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        had_chats = any(tab.transcript.turns for tab in self.chat_tabs())
+        self.progress.hide()
+        self.error_banner.clear()
+        self._select_model_item(self._model_choice(info))
+        self.model_label.setText(f"{info.display_name} · {info.n_layers} layers · {info.threads} threads")
+        self.statusBar().showMessage(f"Loaded {info.display_name} in {info.load_seconds:.2f} s", 10_000)
+        if had_chats:
+            # The worker dropped the old model's sessions; say so where the conversation is.
+            for tab in self.chat_tabs():
+                if tab.transcript.turns:
+                    tab.transcript.add_notice(f"Model changed to {info.display_name}: "
+                                              "the conversation starts afresh here.")
+                    tab.render()
+        tab = self.current_tab()
+        if tab is not None:
+            tab.input.setFocus()
+
+    @Slot(str, float)
+    def _on_load_progress(self, message: str, fraction: float) -> None:
+        self.progress.show()
+        self.progress.setValue(round(max(0.0, min(1.0, fraction)) * 1000))
+        self.statusBar().showMessage(format_load_progress(message, fraction))
+
+    # --- replies ---
+
+    @Slot(object)
+    def _on_reply_started(self, started: ReplyStarted) -> None:
+        tab = self.tab_for(started.session_id)
+        if tab is None:
+            return
+        self.error_banner.clear()
+        if started.prompt is None:
+            tab.transcript.drop_last_reply()
+        else:
+            tab.transcript.add_user(started.prompt)
+            if tab.input.toPlainText() == started.prompt:
+                tab.input.clear()
+        tab.transcript.start_reply()
+        tab.render()
+        self._set_tab_busy(tab, True)
+        self.statusBar().showMessage(f"Generating in {tab.title}…")
+
+    @Slot(object)
+    def _on_token(self, event: TokenEvent) -> None:
+        tab = self.tab_for(event.session_id)
+        if tab is not None and event.text:
+            tab.append(event.text)
+
+    @Slot(object)
+    def _on_reply_finished(self, finished: ReplyFinished) -> None:
+        tab = self.tab_for(finished.session_id)
+        if tab is None:
+            return
+        tab.transcript.finish_reply(finished.text, finished.stats)
+        tab.render()
+        self._set_tab_busy(tab, False)
+        self.statusBar().showMessage(f"{tab.title}: {format_reply_stats(finished.stats)}", 15_000)
+        self._update_actions()
+
+    def _set_tab_busy(self, tab: ChatTab, busy: bool) -> None:
+        index = self.tabs.indexOf(tab)
+        if index >= 0:
+            self.tabs.setTabText(index, f"{tab.title} …" if busy else tab.title)
+
+    # --- errors and state ---
+
+    def show_error(self, text: str) -> None:
+        log.info("shown to the user: %s", text)
+        self.error_banner.show_message(text)
+        self.statusBar().showMessage(text, 15_000)
+
+    @Slot(object)
+    def _on_error(self, report: ErrorReport) -> None:
+        self.show_error(report.describe())
+        if not self.client.loading:
+            self.progress.hide()
+            self._select_model_item(self._model_choice(self.client.model) if self.client.model else None)
+
+    @Slot()
+    def _update_actions(self) -> None:
+        client = self.client
+        tab = self.current_tab()
+        self.send_action.setEnabled(client.ready)
+        self.stop_action.setEnabled(client.generating_session is not None)
+        self.regenerate_action.setEnabled(client.ready and tab is not None and tab.transcript.can_regenerate)
+        self.model_picker.setEnabled(not client.loading)
+        self.open_gguf_action.setEnabled(not client.loading)
+
+    # --- theme, settings, closing ---
+
+    @Slot(bool)
+    def set_dark_theme(self, dark: bool) -> None:
+        self.dark_theme_action.setChecked(dark)
+        apply_theme(self.app, dark)
+        for tab in self.chat_tabs():
+            tab.render()   # footers take their colour from the palette
+
+    def _restore_settings(self) -> None:
+        s = self.settings
+        geometry = s.value("window/geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1000, 700)
+        state = s.value("window/state")
+        if state is not None:
+            self.restoreState(state)
+        self.set_dark_theme(str(s.value("view/dark", "false")).lower() == "true")
+        self.sampling.restore(s)
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState())
+        s.setValue("view/dark", self.dark_theme_action.isChecked())
+        try:
+            self.sampling.save(s)
+        except ValueError:
+            pass   # unsaveable values keep the previous ones
+        s.sync()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        if not self._closed:
+            self._closed = True
+            self.save_settings()
+            # Stops a reply at its next token, ends the engine thread and waits for it: a QThread still
+            # running when Python tears down aborts the process.
+            self.client.shutdown()
+        event.accept()

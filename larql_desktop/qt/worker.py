@@ -1,0 +1,339 @@
+"""The engine worker: one QObject in one QThread that owns the loaded model and every chat session.
+
+The GUI thread never loads models or runs a forward pass. It talks to the worker only through
+`EngineClient`: requests (frozen dataclasses from `protocol`) go in through a queued signal, snapshots
+come back through the worker's signals, which the client re-emits from the GUI thread.
+
+Generation blocks the worker's event loop for the length of a reply (the worker steps the engine's
+generator itself), so stopping is a `threading.Event` carried by the request and checked between
+tokens, and queued requests simply wait their turn.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Callable, Iterator
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from ..engine.catalog import PACKAGED_MODELS
+from ..engine.generation import TokenStep
+from ..engine.paths import AppPaths
+from ..engine.runtime import LoadedModel, load_model
+from ..engine.session import ChatSession
+from .protocol import (CloseSession, ErrorReport, LoadModel, ModelInfo, Regenerate, ReplyFinished, ReplyStarted,
+                       SendPrompt, TokenEvent)
+from .reply_stats import FAILED, STOPPED, ReplyStatsBuilder
+
+log = logging.getLogger(__name__)
+
+
+class LoadCancelled(Exception):
+    """Raised from the load progress callback when the app shuts down mid-load."""
+
+
+def model_info(request_id: int, model: LoadedModel) -> ModelInfo:
+    spec = model.spec
+    return ModelInfo(request_id, model.name, spec is not None, spec.display_name if spec else model.path.name, model.path,
+                     model.is_chat, model.config.arch, model.config.n_layers, model.config.hidden,
+                     model.config.vocab_size, model.context_limit, model.load_seconds, model.threads)
+
+
+class EngineWorker(QObject):
+    """Lives in the engine thread. Its slots and handlers run there; it never touches a widget."""
+
+    model_loaded = Signal(object)        # ModelInfo
+    load_progress = Signal(str, float)   # message, fraction 0..1
+    reply_started = Signal(object)       # ReplyStarted
+    token = Signal(object)               # TokenEvent
+    reply_finished = Signal(object)      # ReplyFinished
+    error = Signal(object)               # ErrorReport
+    event = Signal(object)               # any frozen snapshot from a handler registered by a panel
+
+    def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model):
+        super().__init__()
+        self._paths = paths
+        self._loader = loader
+        self._shutdown = threading.Event()
+        self.model: LoadedModel | None = None
+        self.sessions: dict[int, ChatSession] = {}
+        self._handlers: dict[type, Callable[[object], None]] = {
+            LoadModel: self._load_model,
+            SendPrompt: self._send_prompt,
+            Regenerate: self._regenerate,
+            CloseSession: self._close_session,
+        }
+
+    def register_handler(self, request_type: type, handler: Callable[[object], None]) -> None:
+        """Extension point: `handler(request)` runs in the engine thread and may read `self.model` and
+        `self.sessions`; it reports by emitting `self.event` with a frozen snapshot. Raised exceptions become
+        `error` reports. Register before the client sends the first request of that type."""
+        self._handlers[request_type] = handler
+
+    def request_shutdown(self) -> None:
+        """Thread-safe: makes the running handler return at its next check and drops queued requests."""
+        self._shutdown.set()
+
+    def release(self) -> None:
+        """Drop the engine objects. Call only once the thread has finished."""
+        self.sessions.clear()
+        self.model = None
+
+    @Slot(object)
+    def handle(self, request: object) -> None:
+        if self._shutdown.is_set():
+            return
+        threading.current_thread().name = "engine"   # for the log file (Python names a Qt thread Dummy-N)
+        handler = self._handlers.get(type(request))
+        session_id = getattr(request, "session_id", None)
+        request_id = getattr(request, "request_id", None)
+        if handler is None:
+            self.error.emit(ErrorReport(request_id, session_id, "Engine",
+                                        f"no handler for {type(request).__name__} requests"))
+            return
+        try:
+            handler(request)
+        except LoadCancelled:
+            log.info("model loading cancelled by shutdown")
+        except (ValueError, OSError) as exc:   # bad input, bad file: the message is for the user
+            log.info("%s failed: %s", type(request).__name__, exc)
+            self.error.emit(ErrorReport(request_id, session_id, _context(request), str(exc)))
+        except Exception as exc:               # a bug: keep the traceback in the log, tell the user
+            log.exception("%s failed", type(request).__name__)
+            self.error.emit(ErrorReport(request_id, session_id, _context(request),
+                                        f"{type(exc).__name__}: {exc} (details in the log file)"))
+
+    # --- handlers ---
+
+    def _load_model(self, request: LoadModel) -> None:
+        def progress(message: str, fraction: float) -> None:
+            if self._shutdown.is_set():
+                raise LoadCancelled()
+            self.load_progress.emit(message, float(fraction))
+
+        progress(f"Loading {request.name_or_path}", 0.0)
+        model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress)
+        # Only a successful load replaces the old model; the sessions belonged to the old one.
+        self.model = model
+        self.sessions.clear()
+        self.load_progress.emit(f"Loaded {model.name}", 1.0)
+        self.model_loaded.emit(model_info(request.request_id, model))
+
+    def _session(self, session_id: int) -> ChatSession:
+        if self.model is None:
+            raise ValueError("no model is loaded yet")
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = self.sessions[session_id] = self._new_session(self.model)
+        return session
+
+    def _new_session(self, model: LoadedModel) -> ChatSession:
+        # Dense FFN for now; once the worker owns a LarqlEngine (cache monitor), this becomes
+        # `engine.new_session()` so every chat gets its L1 tier and shares the L2.
+        return ChatSession(model)
+
+    def _send_prompt(self, request: SendPrompt) -> None:
+        session = self._session(request.session_id)
+        steps = session.reply(request.text, request.settings)   # refuses bad prompts before changing anything
+        self._stream(request.request_id, request.session_id, session, steps, request.cancel, request.text)
+
+    def _regenerate(self, request: Regenerate) -> None:
+        session = self._session(request.session_id)
+        steps = session.regenerate(request.settings)
+        self._stream(request.request_id, request.session_id, session, steps, request.cancel, None)
+
+    def _close_session(self, request: CloseSession) -> None:
+        self.sessions.pop(request.session_id, None)
+
+    def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
+                cancel: threading.Event, prompt: str | None) -> None:
+        self.reply_started.emit(ReplyStarted(request_id, session_id, prompt))
+        stats = ReplyStatsBuilder()
+        outcome = FAILED
+        try:
+            while True:
+                if cancel.is_set() or self._shutdown.is_set():
+                    outcome = STOPPED
+                    break
+                try:
+                    step = next(steps)
+                except StopIteration:
+                    outcome = stats.natural_outcome()
+                    break
+                stats.add(step)
+                self.token.emit(TokenEvent.from_step(request_id, session_id, step))
+        finally:
+            close = getattr(steps, "close", None)
+            if close:
+                close()   # lets the session store the reply (and any held-back UTF-8 tail)
+            text = session.messages[-1]["content"] if session.messages else ""
+            self.reply_finished.emit(ReplyFinished(request_id, session_id, text, stats.finish(outcome)))
+
+
+def _context(request: object) -> str:
+    if isinstance(request, LoadModel):
+        name = request.name_or_path
+        return f"Loading {PACKAGED_MODELS[name].display_name if name in PACKAGED_MODELS else name}"
+    if isinstance(request, (SendPrompt, Regenerate)):
+        return "Reply"
+    return type(request).__name__
+
+
+class EngineClient(QObject):
+    """The GUI thread's handle on the engine: owns the thread and the worker, sends requests, relays results.
+
+    Every signal here is emitted in the GUI thread (the worker's signals arrive through queued slots),
+    so widgets and pytest-qt's waitSignal can connect to it directly. It also tracks the little state the
+    GUI needs to enable its actions: the loaded model, whether a load or a reply is in flight.
+    """
+
+    model_loaded = Signal(object)
+    load_progress = Signal(str, float)
+    reply_started = Signal(object)
+    token = Signal(object)
+    reply_finished = Signal(object)
+    error = Signal(object)
+    event = Signal(object)
+    busy_changed = Signal()
+
+    _submit = Signal(object)
+
+    def __init__(self, paths: AppPaths, threads: int = 2, loader: Callable[..., LoadedModel] = load_model,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.threads = threads
+        self.model: ModelInfo | None = None
+        self._ids = itertools.count(1)
+        self._pending_load: int | None = None
+        self._generation: SendPrompt | Regenerate | None = None   # the reply in flight, if any
+        self._thread = QThread()
+        self._thread.setObjectName("larql-engine")
+        self.worker = EngineWorker(paths, loader)
+        self.worker.moveToThread(self._thread)
+        self._submit.connect(self.worker.handle)
+        self.worker.model_loaded.connect(self._on_model_loaded)
+        self.worker.load_progress.connect(self._on_load_progress)
+        self.worker.reply_started.connect(self._on_reply_started)
+        self.worker.token.connect(self._on_token)
+        self.worker.reply_finished.connect(self._on_reply_finished)
+        self.worker.error.connect(self._on_error)
+        self.worker.event.connect(self._on_event)
+        self._thread.start()
+
+    # --- state ---
+
+    @property
+    def loading(self) -> bool:
+        return self._pending_load is not None
+
+    @property
+    def generating_session(self) -> int | None:
+        return self._generation.session_id if self._generation else None
+
+    @property
+    def ready(self) -> bool:
+        """A model is loaded and nothing is in flight: a new reply can start."""
+        return self.model is not None and not self.loading and self._generation is None
+
+    def is_running(self) -> bool:
+        return self._thread.isRunning()
+
+    # --- requests ---
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, request: object) -> None:
+        """Send any request (including types registered by panels) to the worker."""
+        if not self._thread.isRunning():
+            raise RuntimeError("the engine thread has been shut down")
+        self._submit.emit(request)
+
+    def load_model(self, name_or_path: str) -> int:
+        self.stop()
+        request = LoadModel(self.next_request_id(), name_or_path, self.threads)
+        self._pending_load = request.request_id
+        self.submit(request)
+        self.busy_changed.emit()
+        return request.request_id
+
+    def send_prompt(self, session_id: int, text: str, settings) -> int:
+        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings))
+
+    def regenerate(self, session_id: int, settings) -> int:
+        return self._start(Regenerate(self.next_request_id(), session_id, settings))
+
+    def _start(self, request: SendPrompt | Regenerate) -> int:
+        if self._generation is not None:
+            raise RuntimeError("a reply is already being generated")
+        self._generation = request
+        self.submit(request)
+        self.busy_changed.emit()
+        return request.request_id
+
+    def close_session(self, session_id: int) -> None:
+        if self.generating_session == session_id:
+            self.stop()
+        self.submit(CloseSession(self.next_request_id(), session_id))
+
+    def stop(self) -> None:
+        """Stop the reply in flight after its current token. Safe to call at any time."""
+        if self._generation is not None:
+            self._generation.cancel.set()
+
+    def shutdown(self) -> None:
+        """Stop everything, end the thread and wait for it. Idempotent."""
+        self.stop()
+        self.worker.request_shutdown()
+        if self._thread.isRunning():
+            self._thread.quit()
+            self._thread.wait()
+        self.worker.release()
+
+    # --- relays (run in the GUI thread) ---
+
+    @Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.model = info
+        if self._pending_load == info.request_id:
+            self._pending_load = None
+        self.model_loaded.emit(info)
+        self.busy_changed.emit()
+
+    @Slot(str, float)
+    def _on_load_progress(self, message: str, fraction: float) -> None:
+        self.load_progress.emit(message, fraction)
+
+    @Slot(object)
+    def _on_reply_started(self, started: ReplyStarted) -> None:
+        self.reply_started.emit(started)
+
+    @Slot(object)
+    def _on_token(self, event: TokenEvent) -> None:
+        self.token.emit(event)
+
+    @Slot(object)
+    def _on_reply_finished(self, finished: ReplyFinished) -> None:
+        if self._generation is not None and self._generation.request_id == finished.request_id:
+            self._generation = None
+        self.reply_finished.emit(finished)
+        self.busy_changed.emit()
+
+    @Slot(object)
+    def _on_error(self, report: ErrorReport) -> None:
+        changed = False
+        if self._pending_load is not None and self._pending_load == report.request_id:
+            self._pending_load = None
+            changed = True
+        # A refused prompt never starts a reply, so the error is its only answer.
+        if self._generation is not None and self._generation.request_id == report.request_id:
+            self._generation = None
+            changed = True
+        self.error.emit(report)
+        if changed:
+            self.busy_changed.emit()
+
+    @Slot(object)
+    def _on_event(self, snapshot: object) -> None:
+        self.event.emit(snapshot)
