@@ -36,7 +36,7 @@ system-libs:
 	if [ -n "$$missing" ]; then \
 	  echo "Installing Debian libraries Qt needs:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	  $$SUDO apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get -o DPkg::Lock::Timeout=300 install -y -qq $$missing; \
 	fi
 
 $(VENV)/.stamp-installed: pyproject.toml Makefile

@@ -121,6 +121,23 @@ def cmd_hitrates(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import json
+
+    from .engine.bench import DEFAULT_PROMPT, format_report, run_bench
+
+    doc = run_bench(args.model, args.threads, args.tokens, args.prompt or DEFAULT_PROMPT, args.runs,
+                    modes=tuple(args.modes.split(",")) if args.modes else None or ("dense", "sparse", "cold", "warm"),
+                    llama=False if args.no_llama_cpp else None,
+                    log=lambda line: print(line, file=sys.stderr, flush=True))
+    for line in format_report(doc):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
 def _show(label: str, text: str) -> None:
     print(f"{label}: {text!r}")
 
@@ -262,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)
+    bench_all = sub.add_parser("bench", help="prefill/decode speed, time to first token and peak RSS of each FFN "
+                               "configuration, and llama.cpp's on the same GGUF when llama_cpp is installed")
+    common(bench_all)
+    bench_all.add_argument("--tokens", type=int, default=64, help="tokens generated per run (default 64)")
+    bench_all.add_argument("--prompt", default=None, help="prompt (default: a two-sentence question)")
+    bench_all.add_argument("--runs", type=int, default=5, help="runs per configuration; medians are reported")
+    bench_all.add_argument("--modes", default=None, help="comma-separated subset of dense,sparse,cold,warm")
+    bench_all.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if it is installed")
+    bench_all.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    bench_all.set_defaults(func=cmd_bench)
     ins = sub.add_parser("insert", help="INSERT a fact and show the probe before and after")
     common(ins)
     ins.add_argument("--entity", required=True)

@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engine.ffn_cache import StatsSnapshot, TierSettings, WalkSettings
 from ..engine.generation import SamplingSettings, TokenStep
 from .reply_stats import ReplyStats
 
@@ -49,6 +50,74 @@ class CloseSession:
     session_id: int
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """Everything the cache monitor controls: the walk FFN and both tiers (each validated by the engine)."""
+    walk: WalkSettings = WalkSettings()
+    l1: TierSettings = TierSettings()
+    l2: TierSettings = TierSettings()
+
+
+@dataclass(frozen=True)
+class ConfigureCache:
+    request_id: int
+    settings: CacheSettings
+
+
+@dataclass(frozen=True)
+class ClearCaches:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class ResetStats:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Ask for a stats snapshot now (e.g. the user switched chats), with `session_id` as the active chat."""
+    request_id: int
+    session_id: int | None
+
+
+@dataclass(frozen=True)
+class InsertFact:
+    request_id: int
+    entity: str
+    relation: str
+    target: str
+    layer: int | None         # None: the engine picks (LARQL's default layer, then its neighbours)
+    alpha: float
+    probe: str                # a prompt to compare before/after once the fact is in ("" for none)
+
+
+@dataclass(frozen=True)
+class ProbePrompt:
+    request_id: int
+    prompt: str
+    target: str               # whose probability to report ("" for none)
+
+
+@dataclass(frozen=True)
+class LoadPatchFile:
+    request_id: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class SavePatch:
+    request_id: int
+    index: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class RemovePatch:
+    request_id: int
+    index: int
+
+
 # --- snapshots (worker -> GUI) ---
 
 @dataclass(frozen=True)
@@ -66,6 +135,7 @@ class ModelInfo:
     context_limit: int
     load_seconds: float
     threads: int
+    intermediate: int = 0     # FFN features per layer (the largest K)
 
 
 @dataclass(frozen=True)
@@ -109,3 +179,64 @@ class ErrorReport:
 
     def describe(self) -> str:
         return f"{self.context}: {self.message}"
+
+
+@dataclass(frozen=True)
+class CacheStatsEvent:
+    """Cache statistics for the whole process and for the active chat, with what the charts need beside them."""
+    engine_id: int            # changes when a model (re)load builds a new engine: histories restart
+    time: float               # time.monotonic() when taken (the clock of StatsSnapshot.recent)
+    session_id: int | None
+    process: StatsSnapshot
+    session: StatsSnapshot | None
+    patched_layers: tuple[int, ...]
+    settings: CacheSettings
+    n_layers: int
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    description: str
+    name: str                 # the file stem it was loaded from ("" for an INSERT made here)
+    layers: tuple[int, ...]
+    features: tuple[tuple[int, int], ...]   # (layer, feature)
+
+
+@dataclass(frozen=True)
+class PatchesChanged:
+    request_id: int
+    patches: tuple[PatchInfo, ...]
+    patched_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InsertProgress:
+    request_id: int
+    message: str
+    fraction: float
+
+
+@dataclass(frozen=True)
+class InsertFinished:
+    request_id: int
+    layer: int
+    feature: int
+    probability: float        # the target's probability on the fact's own prompt
+    description: str
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    request_id: int
+    prompt: str
+    target: str
+    base_text: str            # greedy continuation without any patch
+    patched_text: str         # ... with every applied patch
+    base_probability: float | None    # of the target's first token; None without a target
+    patched_probability: float | None
+
+
+@dataclass(frozen=True)
+class PatchSaved:
+    request_id: int
+    path: Path

@@ -14,6 +14,21 @@ FAILED = "error"        # an exception ended it
 
 
 @dataclass(frozen=True)
+class CacheCounts:
+    """What the FFN cache did during one reply (differences of the chat's statistics before and after)."""
+    l1_hits: int = 0
+    l1_misses: int = 0
+    l2_hits: int = 0
+    l2_misses: int = 0
+    bypasses: tuple[tuple[str, int], ...] = ()   # (reason, calls), reasons with calls only
+    dense_calls: int = 0
+
+    @property
+    def bypass_total(self) -> int:
+        return sum(n for _, n in self.bypasses)
+
+
+@dataclass(frozen=True)
 class ReplyStats:
     tokens: int             # reply tokens, the stop token excluded
     prompt_tokens: int      # tokens run in the prefill pass (only the part the KV cache did not hold)
@@ -21,6 +36,7 @@ class ReplyStats:
     decode_tokens: int      # tokens after the first, each one forward pass
     decode_seconds: float
     outcome: str
+    cache: CacheCounts | None = None   # None when the reply ran without a cache engine
 
     @property
     def tokens_per_second(self) -> float:
@@ -55,21 +71,37 @@ class ReplyStatsBuilder:
         """How a generator that ran to its end finished."""
         return COMPLETE if self.saw_stop else LENGTH
 
-    def finish(self, outcome: str) -> ReplyStats:
+    def finish(self, outcome: str, cache: CacheCounts | None = None) -> ReplyStats:
         return ReplyStats(self.tokens, self.prompt_tokens, self.prefill_seconds, self.decode_tokens,
-                          self.decode_seconds, outcome)
+                          self.decode_seconds, outcome, cache)
 
 
 _OUTCOME_NOTES = {COMPLETE: "", LENGTH: " · reached max tokens", STOPPED: " · stopped", FAILED: " · failed"}
 
 
 def format_reply_stats(stats: ReplyStats) -> str:
-    """The line shown under a reply, e.g. '42 tokens · 28.3 tok/s · prefill 0.12 s (35 tokens)'."""
+    """The lines shown under a reply, e.g. '42 tokens · 28.3 tok/s · prefill 0.12 s (35 prompt tokens)',
+    then, when a cache engine ran it, what the FFN cache did (see `format_cache_counts`)."""
     rate = stats.tokens_per_second
     rate_text = f"{rate:.1f} tok/s" if math.isfinite(rate) else "– tok/s"
     noun = "token" if stats.tokens == 1 else "tokens"
-    return (f"{stats.tokens} {noun} · {rate_text} · prefill {stats.prefill_seconds:.2f} s "
+    line = (f"{stats.tokens} {noun} · {rate_text} · prefill {stats.prefill_seconds:.2f} s "
             f"({stats.prompt_tokens} prompt tokens){_OUTCOME_NOTES.get(stats.outcome, '')}")
+    return line if stats.cache is None else f"{line}\n{format_cache_counts(stats.cache)}"
+
+
+def format_cache_counts(c: CacheCounts) -> str:
+    """E.g. 'FFN cache: L1 0 hits / 330 misses · L2 330 hits / 0 misses · 30 bypasses (prefill 30)'."""
+    parts = []
+    if c.l1_hits or c.l1_misses or c.l2_hits or c.l2_misses:
+        parts.append(f"L1 {c.l1_hits} hits / {c.l1_misses} misses")
+        parts.append(f"L2 {c.l2_hits} hits / {c.l2_misses} misses")
+    if c.bypasses:
+        reasons = ", ".join(f"{reason.replace('_', ' ')} {n}" for reason, n in c.bypasses)
+        parts.append(f"{c.bypass_total} bypasses ({reasons})")
+    if c.dense_calls and not c.bypasses and len(parts) == 0:
+        return f"dense FFN: {c.dense_calls} calls, no cache"
+    return "FFN cache: " + (" · ".join(parts) if parts else "no calls")
 
 
 def format_load_progress(message: str, fraction: float) -> str:
