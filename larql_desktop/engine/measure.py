@@ -1,7 +1,6 @@
 """Measurements of what the cache gains and costs: the seed's one-layer benchmark and its hit-rate table."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 from .engine import LarqlEngine
 from .ffn_cache import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
 from .generation import SamplingSettings
+from .jsonfile import read_json
 from .model import KvCache
 from .runtime import LoadedModel
 
@@ -153,12 +153,7 @@ class ScenarioResult:
 
 
 def read_scenarios(path: str | Path) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read scenarios file {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    doc = read_json(path, "scenarios file")
     scenarios = doc.get("scenarios") if isinstance(doc, dict) else None
     if not isinstance(scenarios, dict):
         raise ValueError(f"{path}: expected an object with a 'scenarios' mapping")

@@ -17,6 +17,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from .jsonfile import read_json
 from .quants import dequantize, dequantize_rows
 
 PATCH_VERSION = 1
@@ -154,14 +155,7 @@ def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum:
 
 def load_patch_file(path: str | Path, **model_shape) -> Patch:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PatchError(f"cannot read patch file {path}: {exc.strerror}") from exc
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise PatchError(f"{path}: not valid JSON ({exc})") from exc
+    doc = read_json(path, "patch file", PatchError)
     patch = parse_patch(doc, source=str(path), **model_shape)
     return Patch(patch.operations, patch.base_model, patch.base_checksum, patch.description, patch.created_at,
                  name=path.stem)

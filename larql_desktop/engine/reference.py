@@ -1,7 +1,6 @@
 """Checks the engine against outputs recorded from llama.cpp (the shared reference file format)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -9,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from .catalog import PACKAGED_MODELS
+from .jsonfile import read_json
 from .model import KvCache
 from .runtime import LoadedModel
 
@@ -29,12 +29,7 @@ class ModelAgreement:
 
 
 def read_reference(path: str | Path) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read reference file {path}: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    doc = read_json(path, "reference file")
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
         raise ValueError(f"{path}: expected an object with a 'models' mapping (llama.cpp reference format)")
     return doc

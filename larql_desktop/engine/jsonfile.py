@@ -1,0 +1,17 @@
+"""Reading the JSON files users hand the app (reference outputs, scenarios, patches) with errors that say what to do."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_json(path: str | Path, what: str, error: type[Exception] = ValueError):
+    """The parsed document; `error` with a message naming the file and the problem otherwise."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}") from exc
+    try:
+        return json.loads(data)
+    except ValueError as exc:   # also bad UTF-8
+        raise error(f"{path}: not valid JSON ({exc})") from exc
