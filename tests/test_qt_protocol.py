@@ -10,8 +10,8 @@ import pytest
 
 from larql_desktop.engine.generation import SamplingSettings, TokenStep
 from larql_desktop.qt.protocol import SendPrompt, TokenEvent
-from larql_desktop.qt.reply_stats import (COMPLETE, LENGTH, STOPPED, ReplyStats, ReplyStatsBuilder,
-                                          format_load_progress, format_reply_stats)
+from larql_desktop.qt.reply_stats import (COMPLETE, LENGTH, STOPPED, CacheCounts, ReplyStats, ReplyStatsBuilder,
+                                          format_cache_counts, format_load_progress, format_reply_stats)
 from larql_desktop.qt.transcript import ASSISTANT, USER, Transcript
 
 
@@ -80,7 +80,8 @@ def test_requests_and_snapshots_are_frozen():
 
 def test_plain_modules_of_the_qt_package_do_not_import_qt():
     code = ("import sys; import larql_desktop.qt.protocol, larql_desktop.qt.reply_stats, "
-            "larql_desktop.qt.transcript; print(any(m.startswith('PySide6') for m in sys.modules))")
+            "larql_desktop.qt.transcript, larql_desktop.qt.cache_monitor_model, larql_desktop.qt.engine_jobs; "
+            "print(any(m.startswith('PySide6') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -93,3 +94,81 @@ def test_stored_sampling_falls_back_to_defaults():
         SamplingSettings(64, 0.7, 0.9, None)
     assert stored_sampling({"max_tokens": "junk", "seed": "5"}) == SamplingSettings(seed=5)
     assert stored_sampling({"top_p": "7"}) == SamplingSettings()
+
+
+def test_cache_counts_wording():
+    counts = CacheCounts((("L1", 0, 330), ("L2", 330, 0), ("L3", 0, 0)), (("prefill", 30),))
+    assert format_cache_counts(counts) == \
+        "FFN cache: L1 0 hits / 330 misses · L2 330 hits / 0 misses · 30 bypasses (prefill 30)"
+    assert counts.tier("L2") == (330, 0) and counts.tier("L9") == (0, 0)
+    assert format_cache_counts(CacheCounts(dense_calls=360)) == "dense FFN: 360 calls, no cache"
+    stats = ReplyStats(5, 12, 0.5, 5, 0.5, COMPLETE, counts)
+    first, second = format_reply_stats(stats).split("\n")
+    assert first.startswith("5 tokens · 10.0 tok/s") and second.startswith("FFN cache:")
+
+
+def _snapshot(n, l1=(0, 0), l2=(0, 0), calls=0, recent=(), patched=0):
+    import numpy as np
+
+    from larql_desktop.engine.ffn_cache import (BYPASS_REASONS, OUTCOMES, TIERS, FidelitySummary, LatencySummary,
+                                                StatsSnapshot, TierSnapshot)
+
+    def tier(name, hm):
+        z = np.zeros(n, np.int64)
+        return TierSnapshot(name, True, np.full(n, hm[0]), np.full(n, hm[1]), z, z + 1, z + 512, z, z)
+
+    counts = {"L1": l1, "L2": l2}
+    bypasses = {r: np.zeros(n, np.int64) for r in BYPASS_REASONS}
+    bypasses["patched"][1] = patched
+    return StatsSnapshot(calls, calls, {t: tier(t, counts.get(t, (0, 0))) for t in TIERS}, bypasses,
+                         {o: LatencySummary(0, 0, 0, 0) for o in OUTCOMES},
+                         FidelitySummary(0, float("nan"), float("nan"), 0.0, 0.0), tuple(recent))
+
+
+def _event(snapshot, engine_id=1, t=0.0, patched=()):
+    from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent
+
+    return CacheStatsEvent(engine_id, t, 1, snapshot, snapshot, patched, CacheSettings(), 3)
+
+
+def test_monitor_model_turns_snapshots_into_interval_rates_and_latencies():
+    import numpy as np
+
+    from larql_desktop.qt.cache_monitor_model import MonitorModel, cache_counts, final_misses
+
+    model = MonitorModel(capacity=4)
+    model.ingest(_event(_snapshot(3, l1=(0, 2), l2=(0, 2), calls=6, recent=((1.0, 0, "miss", 0.001),)), t=10.0))
+    model.ingest(_event(_snapshot(3, l1=(0, 4), l2=(2, 2), calls=12,
+                                  recent=((1.0, 0, "miss", 0.001), (2.0, 0, "hit", 0.0001))), t=11.0))
+    assert model.hit_rate.t.tolist() == [0.0, 1.0]
+    assert model.hit_rate.column("L2").tolist() == [0.0, 1.0] and model.hit_rate.column("L1").tolist() == [0.0, 0.0]
+    hits = model.latency_us.column("hit")
+    assert np.isnan(hits[0]) and hits[1] == pytest.approx(100.0)   # only calls new since the last event
+    assert np.isnan(model.latency_us.column("miss")[1])   # no new misses in that interval
+    layers = model.per_layer()
+    assert layers["L2 hits"].tolist() == [2, 2, 2] and layers["misses"].tolist() == [2, 2, 2]
+    for i in range(6):   # the history keeps its capacity
+        model.ingest(_event(_snapshot(3, calls=20 + i), t=12.0 + i))
+    assert len(model.hit_rate) == 4 and model.hit_rate.t[-1] == pytest.approx(7.0)
+    model.ingest(_event(_snapshot(3, calls=1), engine_id=2, t=50.0))   # a new model: fresh histories
+    assert len(model.hit_rate) == 1 and model.hit_rate.t[0] == 0.0
+    snap = _snapshot(3, l1=(1, 4), l2=(3, 1))
+    assert final_misses(snap).tolist() == [1, 1, 1]
+    counts = cache_counts(_snapshot(3, l1=(0, 2)), snap)
+    assert counts.tier("L1") == (3, 6) and counts.tier("L2") == (9, 3)
+
+
+def test_stats_exports_are_valid_json_and_one_csv_row_per_layer():
+    import csv
+    import io
+    import json
+
+    from larql_desktop.qt.cache_monitor_model import CSV_COLUMNS, stats_csv, stats_json
+
+    event = _event(_snapshot(3, l2=(5, 1), calls=9, patched=4), patched=(1,))
+    doc = json.loads(stats_json(event))   # NaN fidelity became null: strict JSON
+    assert doc["process"]["fidelity"]["mean_cosine"] is None and doc["patched_layers"] == [1]
+    rows = list(csv.DictReader(io.StringIO(stats_csv(event))))
+    assert len(rows) == 3 and tuple(rows[0]) == CSV_COLUMNS
+    assert [r["patched"] for r in rows] == ["0", "1", "0"] and rows[1]["bypass_patched"] == "4"
+    assert rows[0]["L2_hits"] == "5"

@@ -1,4 +1,5 @@
-"""The main window: chat tabs, model picker, sampling panel, status. Wiring and layout; the engine is elsewhere."""
+"""The main window: chat tabs, model picker, the tool panels (sampling, cache monitor, patch editor), status.
+Wiring and layout; the engine is elsewhere."""
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,10 @@ from PySide6.QtWidgets import (QApplication, QComboBox, QDockWidget, QFileDialog
                                QWidget)
 
 from ..engine.catalog import PACKAGED_MODELS
-from .protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, TokenEvent
+from .protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats, TokenEvent
+from .qt_cache_monitor import CacheMonitor
 from .qt_chat_tab import ChatTab
+from .qt_patch_editor import PatchEditor
 from .qt_sampling_panel import SamplingPanel
 from .qt_theme import apply_theme
 from .reply_stats import format_load_progress, format_reply_stats
@@ -72,7 +75,16 @@ class MainWindow(QMainWindow):
         self._build_actions()
         self._build_menus()
         self.sampling = SamplingPanel()
-        self.sampling_dock = self.add_panel("Sampling", self.sampling)
+        self.sampling_dock = self.add_panel("Sampling", self.sampling, shortcut="Ctrl+Shift+S")
+        self.patch_editor = PatchEditor(client)
+        self.patch_editor_dock = self.add_panel("Patch editor", self.patch_editor, shortcut="Ctrl+Shift+P")
+        self.monitor = CacheMonitor(client)
+        self.monitor_dock = self.add_panel("Cache monitor", self.monitor, Qt.BottomDockWidgetArea,
+                                           shortcut="Ctrl+Shift+M")
+        for panel in (self.patch_editor, self.monitor):
+            panel.error.connect(self.show_error)
+        # The right-hand panels run the full height; the monitor sits under the chats.
+        self.setCorner(Qt.BottomRightCorner, Qt.RightDockWidgetArea)
         self._build_model_picker()
         self._build_central()
         self._build_status_bar()
@@ -155,6 +167,7 @@ class MainWindow(QMainWindow):
         self.tabs.setDocumentMode(True)
         self.tabs.tabCloseRequested.connect(self.close_chat)
         self.tabs.currentChanged.connect(self._update_actions)
+        self.tabs.currentChanged.connect(self._on_current_chat_changed)
         plus = QToolButton()
         plus.setDefaultAction(self.new_chat_action)
         plus.setText("+")
@@ -178,10 +191,11 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.progress)
         self.statusBar().addPermanentWidget(self.model_label)
 
-    def add_panel(self, title: str, widget: QWidget,
-                  area: Qt.DockWidgetArea = Qt.RightDockWidgetArea) -> QDockWidget:
+    def add_panel(self, title: str, widget: QWidget, area: Qt.DockWidgetArea = Qt.RightDockWidgetArea,
+                  shortcut: str | None = None) -> QDockWidget:
         """Extension point for tool panels (cache monitor, patch editor…): a dock, tabbed with the others in
-        its area, listed under View > Panels, its place remembered with the window state."""
+        its area, listed under View > Panels (with an optional shortcut to show/hide it), its place remembered
+        with the window state."""
         dock = QDockWidget(title, self)
         dock.setObjectName(f"panel:{title}")
         dock.setWidget(widget)
@@ -190,7 +204,11 @@ class MainWindow(QMainWindow):
         self.addDockWidget(area, dock)
         if existing:
             self.tabifyDockWidget(existing[-1], dock)
-        self.panels_menu.addAction(dock.toggleViewAction())
+        toggle = dock.toggleViewAction()
+        if shortcut:
+            toggle.setShortcut(QKeySequence(shortcut))
+            self.addAction(toggle)
+        self.panels_menu.addAction(toggle)
         return dock
 
     # --- chats ---
@@ -222,6 +240,13 @@ class MainWindow(QMainWindow):
         tab.deleteLater()
         if self.tabs.count() == 0:
             self.new_chat()
+
+    @Slot()
+    def _on_current_chat_changed(self) -> None:
+        """The monitor's 'this chat' line follows the chat in front."""
+        tab = self.current_tab()
+        if tab is not None and self.client.model is not None and self.client.is_running():
+            self.client.submit(RequestStats(self.client.next_request_id(), tab.session_id))
 
     @Slot()
     def send(self) -> None:
@@ -311,6 +336,7 @@ class MainWindow(QMainWindow):
         tab = self.current_tab()
         if tab is not None:
             tab.input.setFocus()
+        self._on_current_chat_changed()
 
     @Slot(str, float)
     def _on_load_progress(self, message: str, fraction: float) -> None:
@@ -351,7 +377,8 @@ class MainWindow(QMainWindow):
         tab.transcript.finish_reply(finished.text, finished.stats)
         tab.render()
         self._set_tab_busy(tab, False)
-        self.statusBar().showMessage(f"{tab.title}: {format_reply_stats(finished.stats)}", 15_000)
+        stats_line = format_reply_stats(finished.stats).replace("\n", " · ")
+        self.statusBar().showMessage(f"{tab.title}: {stats_line}", 15_000)
         self._update_actions()
 
     def _set_tab_busy(self, tab: ChatTab, busy: bool) -> None:
@@ -389,6 +416,7 @@ class MainWindow(QMainWindow):
     def set_dark_theme(self, dark: bool) -> None:
         self.dark_theme_action.setChecked(dark)
         apply_theme(self.app, dark)
+        self.monitor.set_dark(dark)
         for tab in self.chat_tabs():
             tab.render()   # footers take their colour from the palette
 
@@ -398,22 +426,30 @@ class MainWindow(QMainWindow):
         if geometry is not None:
             self.restoreGeometry(geometry)
         else:
-            self.resize(1000, 700)
+            self.resize(1280, 860)
         state = s.value("window/state")
         if state is not None:
             self.restoreState(state)
+        else:
+            self.patch_editor_dock.raise_()
+            self.resizeDocks([self.patch_editor_dock], [400], Qt.Horizontal)
+            self.resizeDocks([self.monitor_dock], [420], Qt.Vertical)
         self.set_dark_theme(str(s.value("view/dark", "false")).lower() == "true")
         self.sampling.restore(s)
+        self.monitor.restore(s)
+        self.patch_editor.restore(s)
 
     def save_settings(self) -> None:
         s = self.settings
         s.setValue("window/geometry", self.saveGeometry())
         s.setValue("window/state", self.saveState())
         s.setValue("view/dark", self.dark_theme_action.isChecked())
-        try:
-            self.sampling.save(s)
-        except ValueError:
-            pass   # unsaveable values keep the previous ones
+        for panel in (self.sampling, self.monitor):
+            try:
+                panel.save(s)
+            except ValueError:
+                pass   # unsaveable values keep the previous ones
+        self.patch_editor.save(s)
         s.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:

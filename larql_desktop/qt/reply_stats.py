@@ -16,12 +16,13 @@ FAILED = "error"        # an exception ended it
 @dataclass(frozen=True)
 class CacheCounts:
     """What the FFN cache did during one reply (differences of the chat's statistics before and after)."""
-    l1_hits: int = 0
-    l1_misses: int = 0
-    l2_hits: int = 0
-    l2_misses: int = 0
-    bypasses: tuple[tuple[str, int], ...] = ()   # (reason, calls), reasons with calls only
+    tiers: tuple[tuple[str, int, int], ...] = ()   # (tier, hits, misses) in lookup order: L1, L2, …
+    bypasses: tuple[tuple[str, int], ...] = ()     # (reason, calls), reasons with calls only
     dense_calls: int = 0
+
+    def tier(self, name: str) -> tuple[int, int]:
+        """(hits, misses) of one tier; (0, 0) if it is not listed."""
+        return next(((h, m) for n, h, m in self.tiers if n == name), (0, 0))
 
     @property
     def bypass_total(self) -> int:
@@ -91,15 +92,16 @@ def format_reply_stats(stats: ReplyStats) -> str:
 
 
 def format_cache_counts(c: CacheCounts) -> str:
-    """E.g. 'FFN cache: L1 0 hits / 330 misses · L2 330 hits / 0 misses · 30 bypasses (prefill 30)'."""
+    """E.g. 'FFN cache: L1 0 hits / 330 misses · L2 330 hits / 0 misses · 30 bypasses (prefill 30)'.
+    Tiers nothing reached (a disabled one, or one after a tier that hit every time) are left out, except
+    that L1 and L2 always show once any lookup happened."""
     parts = []
-    if c.l1_hits or c.l1_misses or c.l2_hits or c.l2_misses:
-        parts.append(f"L1 {c.l1_hits} hits / {c.l1_misses} misses")
-        parts.append(f"L2 {c.l2_hits} hits / {c.l2_misses} misses")
+    if any(h or m for _, h, m in c.tiers):
+        parts += [f"{name} {h} hits / {m} misses" for name, h, m in c.tiers if h or m or name in ("L1", "L2")]
     if c.bypasses:
         reasons = ", ".join(f"{reason.replace('_', ' ')} {n}" for reason, n in c.bypasses)
         parts.append(f"{c.bypass_total} bypasses ({reasons})")
-    if c.dense_calls and not c.bypasses and len(parts) == 0:
+    if c.dense_calls and not parts:
         return f"dense FFN: {c.dense_calls} calls, no cache"
     return "FFN cache: " + (" · ".join(parts) if parts else "no calls")
 

@@ -6,38 +6,51 @@ come back through the worker's signals, which the client re-emits from the GUI t
 
 Generation blocks the worker's event loop for the length of a reply (the worker steps the engine's
 generator itself), so stopping is a `threading.Event` carried by the request and checked between
-tokens, and queued requests simply wait their turn.
+tokens, and queued requests simply wait their turn (an INSERT likewise).
+
+Each loaded model gets one `LarqlEngine` (shared L2 cache, process-wide statistics); each chat is one of its
+sessions. While a reply streams, the worker emits a stats snapshot at most every STATS_INTERVAL seconds and
+once at its end; the monitor redraws on its own timer, never per token.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import time
 from typing import Callable, Iterator
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from ..engine.catalog import PACKAGED_MODELS
+from ..engine.engine import LarqlEngine
 from ..engine.generation import TokenStep
 from ..engine.paths import AppPaths
 from ..engine.runtime import LoadedModel, load_model
 from ..engine.session import ChatSession
-from .protocol import (CloseSession, ErrorReport, LoadModel, ModelInfo, Regenerate, ReplyFinished, ReplyStarted,
-                       SendPrompt, TokenEvent)
+from . import engine_jobs
+from .cache_monitor_model import cache_counts
+from .protocol import (CacheSettings, ClearCaches, CloseSession, ConfigureCache, ErrorReport, InsertFact,
+                       InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt, Regenerate, RemovePatch,
+                       ReplyFinished, ReplyStarted, RequestStats, ResetStats, SavePatch, SendPrompt, TokenEvent)
 from .reply_stats import FAILED, STOPPED, ReplyStatsBuilder
 
 log = logging.getLogger(__name__)
 
 
+STATS_INTERVAL = 0.1   # seconds between stats snapshots while a reply streams
+
+
 class LoadCancelled(Exception):
-    """Raised from the load progress callback when the app shuts down mid-load."""
+    """Raised from a progress callback (model load, INSERT) when the app shuts down mid-way."""
 
 
 def model_info(request_id: int, model: LoadedModel) -> ModelInfo:
     spec = model.spec
     return ModelInfo(request_id, model.name, spec is not None, spec.display_name if spec else model.path.name, model.path,
                      model.is_chat, model.config.arch, model.config.n_layers, model.config.hidden,
-                     model.config.vocab_size, model.context_limit, model.load_seconds, model.threads)
+                     model.config.vocab_size, model.context_limit, model.load_seconds, model.threads,
+                     model.config.intermediate)
 
 
 class EngineWorker(QObject):
@@ -49,7 +62,8 @@ class EngineWorker(QObject):
     token = Signal(object)               # TokenEvent
     reply_finished = Signal(object)      # ReplyFinished
     error = Signal(object)               # ErrorReport
-    event = Signal(object)               # any frozen snapshot from a handler registered by a panel
+    stats = Signal(object)               # CacheStatsEvent
+    event = Signal(object)               # any other frozen snapshot (patches, INSERT progress, probes…)
 
     def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model):
         super().__init__()
@@ -57,17 +71,31 @@ class EngineWorker(QObject):
         self._loader = loader
         self._shutdown = threading.Event()
         self.model: LoadedModel | None = None
+        self.engine: LarqlEngine | None = None
         self.sessions: dict[int, ChatSession] = {}
+        self.cache_settings = CacheSettings()   # applied to the next model's engine too
+        self._engine_ids = itertools.count(1)
+        self._engine_id = 0
+        self._active_session: int | None = None
         self._handlers: dict[type, Callable[[object], None]] = {
             LoadModel: self._load_model,
             SendPrompt: self._send_prompt,
             Regenerate: self._regenerate,
             CloseSession: self._close_session,
+            ConfigureCache: self._configure_cache,
+            ClearCaches: self._clear_caches,
+            ResetStats: self._reset_stats,
+            RequestStats: self._request_stats,
+            InsertFact: self._insert_fact,
+            ProbePrompt: self._probe,
+            LoadPatchFile: lambda r: self._change_patches(engine_jobs.load_patch_file, r),
+            RemovePatch: lambda r: self._change_patches(engine_jobs.remove_patch, r),
+            SavePatch: lambda r: self.event.emit(engine_jobs.save_patch(self._engine(), r)),
         }
 
     def register_handler(self, request_type: type, handler: Callable[[object], None]) -> None:
-        """Extension point: `handler(request)` runs in the engine thread and may read `self.model` and
-        `self.sessions`; it reports by emitting `self.event` with a frozen snapshot. Raised exceptions become
+        """Extension point: `handler(request)` runs in the engine thread and may read `self.model`,
+        `self.engine` and `self.sessions`; it reports by emitting `self.event` with a frozen snapshot. Raised exceptions become
         `error` reports. Register before the client sends the first request of that type."""
         self._handlers[request_type] = handler
 
@@ -78,6 +106,7 @@ class EngineWorker(QObject):
     def release(self) -> None:
         """Drop the engine objects. Call only once the thread has finished."""
         self.sessions.clear()
+        self.engine = None
         self.model = None
 
     @Slot(object)
@@ -114,24 +143,40 @@ class EngineWorker(QObject):
 
         progress(f"Loading {request.name_or_path}", 0.0)
         model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress)
-        # Only a successful load replaces the old model; the sessions belonged to the old one.
-        self.model = model
+        c = self.cache_settings
+        try:
+            engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2)
+        except ValueError:   # e.g. a K the previous model allowed but this one has not: start from defaults
+            log.info("cache settings %s do not fit %s; using the defaults", c, model.name)
+            self.cache_settings = CacheSettings()
+            engine = LarqlEngine(model)
+        # Only a successful load replaces the old model; the sessions (and patches) belonged to the old one.
+        self.model, self.engine = model, engine
+        self._engine_id = next(self._engine_ids)
         self.sessions.clear()
+        self._active_session = None
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
         self.model_loaded.emit(model_info(request.request_id, model))
+        self.event.emit(engine_jobs.patches_changed(engine, request.request_id))
+        self._emit_stats()
+
+    def _engine(self) -> LarqlEngine:
+        if self.engine is None:
+            raise ValueError("no model is loaded yet")
+        return self.engine
 
     def _session(self, session_id: int) -> ChatSession:
-        if self.model is None:
-            raise ValueError("no model is loaded yet")
+        engine = self._engine()
         session = self.sessions.get(session_id)
         if session is None:
-            session = self.sessions[session_id] = self._new_session(self.model)
+            session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
         return session
 
-    def _new_session(self, model: LoadedModel) -> ChatSession:
-        # Dense FFN for now; once the worker owns a LarqlEngine (cache monitor), this becomes
-        # `engine.new_session()` so every chat gets its L1 tier and shares the L2.
-        return ChatSession(model)
+    def _emit_stats(self) -> None:
+        if self.engine is not None:
+            session_id = self._active_session
+            self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
+                                                    self.sessions.get(session_id)))
 
     def _send_prompt(self, request: SendPrompt) -> None:
         session = self._session(request.session_id)
@@ -144,13 +189,64 @@ class EngineWorker(QObject):
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, None)
 
     def _close_session(self, request: CloseSession) -> None:
-        self.sessions.pop(request.session_id, None)
+        session = self.sessions.pop(request.session_id, None)
+        if session is not None and self.engine is not None:
+            self.engine.close_session(session)
+        if self._active_session == request.session_id:
+            self._active_session = None
+        self._emit_stats()
+
+    def _configure_cache(self, request: ConfigureCache) -> None:
+        c = request.settings
+        if self.engine is not None:
+            self.engine.configure(walk=c.walk, l1=c.l1, l2=c.l2)   # ValueError: nothing changes
+        self.cache_settings = c
+        self._emit_stats()
+
+    def _clear_caches(self, request: ClearCaches) -> None:
+        self._engine().clear_caches()
+        self._emit_stats()
+
+    def _reset_stats(self, request: ResetStats) -> None:
+        self._engine().reset_stats()
+        self._emit_stats()
+
+    def _request_stats(self, request: RequestStats) -> None:
+        self._active_session = request.session_id
+        self._emit_stats()
+
+    def _insert_fact(self, request: InsertFact) -> None:
+        engine = self._engine()
+
+        def progress(message: str, fraction: float) -> None:
+            if self._shutdown.is_set():
+                raise LoadCancelled()
+            self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
+
+        finished = engine_jobs.insert_fact(engine, request, progress)
+        self.event.emit(engine_jobs.patches_changed(engine, request.request_id))
+        self._emit_stats()
+        if request.probe.strip():
+            self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
+                                                                  request.target)))
+        self.event.emit(finished)   # last: the INSERT's answers are complete
+
+    def _probe(self, request: ProbePrompt) -> None:
+        self.event.emit(engine_jobs.probe(self._engine(), request))
+
+    def _change_patches(self, job, request) -> None:
+        self.event.emit(job(self._engine(), request))
+        self._emit_stats()
 
     def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
                 cancel: threading.Event, prompt: str | None) -> None:
         self.reply_started.emit(ReplyStarted(request_id, session_id, prompt))
+        self._active_session = session_id
+        engine = self._engine()
+        before = engine.session_snapshot(session)
         stats = ReplyStatsBuilder()
         outcome = FAILED
+        last_stats = time.monotonic()
         try:
             while True:
                 if cancel.is_set() or self._shutdown.is_set():
@@ -163,21 +259,30 @@ class EngineWorker(QObject):
                     break
                 stats.add(step)
                 self.token.emit(TokenEvent.from_step(request_id, session_id, step))
+                if time.monotonic() - last_stats >= STATS_INTERVAL:
+                    self._emit_stats()
+                    last_stats = time.monotonic()
         finally:
             close = getattr(steps, "close", None)
             if close:
                 close()   # lets the session store the reply (and any held-back UTF-8 tail)
             text = session.messages[-1]["content"] if session.messages else ""
-            self.reply_finished.emit(ReplyFinished(request_id, session_id, text, stats.finish(outcome)))
+            counts = cache_counts(before, engine.session_snapshot(session))
+            self.reply_finished.emit(ReplyFinished(request_id, session_id, text, stats.finish(outcome, counts)))
+            self._emit_stats()
+
+
+_CONTEXTS = {SendPrompt: "Reply", Regenerate: "Reply", ConfigureCache: "Cache settings",
+             ClearCaches: "Clearing caches", ResetStats: "Resetting statistics", InsertFact: "INSERT",
+             ProbePrompt: "Probe", LoadPatchFile: "Loading patch file", SavePatch: "Saving patch",
+             RemovePatch: "Removing patch"}
 
 
 def _context(request: object) -> str:
     if isinstance(request, LoadModel):
         name = request.name_or_path
         return f"Loading {PACKAGED_MODELS[name].display_name if name in PACKAGED_MODELS else name}"
-    if isinstance(request, (SendPrompt, Regenerate)):
-        return "Reply"
-    return type(request).__name__
+    return _CONTEXTS.get(type(request), type(request).__name__)
 
 
 class EngineClient(QObject):
@@ -194,6 +299,7 @@ class EngineClient(QObject):
     token = Signal(object)
     reply_finished = Signal(object)
     error = Signal(object)
+    stats = Signal(object)
     event = Signal(object)
     busy_changed = Signal()
 
@@ -218,6 +324,7 @@ class EngineClient(QObject):
         self.worker.token.connect(self._on_token)
         self.worker.reply_finished.connect(self._on_reply_finished)
         self.worker.error.connect(self._on_error)
+        self.worker.stats.connect(self._on_stats)
         self.worker.event.connect(self._on_event)
         self._thread.start()
 
@@ -333,6 +440,10 @@ class EngineClient(QObject):
         self.error.emit(report)
         if changed:
             self.busy_changed.emit()
+
+    @Slot(object)
+    def _on_stats(self, event: object) -> None:
+        self.stats.emit(event)
 
     @Slot(object)
     def _on_event(self, snapshot: object) -> None:

@@ -1,0 +1,474 @@
+"""The cache monitor: live charts of the FFN cache and the controls that change it.
+
+Stats events only update the MonitorModel; a QTimer copies the model into plot items created once
+(`setData`/`setOpts`) at REFRESH_HZ, and only when something changed and the panel is visible.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal, Slot
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox,
+                               QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
+                               QWidget)
+
+from ..engine.ffn_cache import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings
+from .cache_monitor_model import MonitorModel, stats_csv, stats_json
+from .protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
+from .worker import EngineClient
+
+REFRESH_HZ = 20
+# The tiers this app configures (the engine's optional persistent L3 is not attached by the desktop app).
+CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2"))
+TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e")))
+OUTCOME_COLOURS = {"hit": "#2ca02c", "miss": "#d62728", "bypass": "#9467bd", "dense": "#7f7f7f"}
+BAR_COLOURS = {**{f"{t} hits": c for t, c in TIER_COLOURS.items()}, "misses": "#d62728", "bypasses": "#9467bd"}
+BAR_KEYS = {**{f"{t} hit": c for t, c in TIER_COLOURS.items()}, "miss": "#d62728", "bypass": "#9467bd",
+            "patched": "#c89600"}
+PATCHED_COLOUR = (255, 200, 0, 70)
+
+
+def _settings_value(store: QSettings, key: str, kind, default):
+    value = store.value(key)
+    if value is None:
+        return default
+    if kind is bool:
+        return str(value).lower() == "true"
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return default
+
+
+class TierControls:
+    """One tier's three controls; the panel lays the tiers out side by side."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.enabled = QCheckBox("on")
+        self.enabled.setAccessibleName(f"{name} cache enabled")
+        self.capacity = QSpinBox(minimum=1, maximum=10_000_000, singleStep=256)
+        self.capacity.setAccessibleName(f"{name} capacity")
+        self.capacity.setToolTip("Keys per layer")
+        self.policy = QComboBox()
+        self.policy.addItems(POLICIES)
+        self.policy.setAccessibleName(f"{name} eviction policy")
+        self.policy.setToolTip("drop: a full layer refuses new keys (the seed); lru: evicts the least recently used")
+        self.set_settings(TierSettings())
+
+    def settings(self) -> TierSettings:
+        return TierSettings(self.enabled.isChecked(), self.capacity.value(), self.policy.currentText())
+
+    def set_settings(self, s: TierSettings) -> None:
+        self.enabled.setChecked(s.enabled)
+        self.capacity.setValue(s.capacity)
+        self.policy.setCurrentText(s.policy)
+
+
+class CacheMonitor(QWidget):
+    """Charts (left) and controls (right). `model` holds the data the charts show."""
+
+    error = Signal(str)   # a message for the window's error banner
+
+    def __init__(self, client: EngineClient, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.client = client
+        self.model = MonitorModel()
+        self._drawn = -1
+        self._last_dir = str(Path.home())
+        self._build_charts()
+        self._build_controls()
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        left = QVBoxLayout()
+        left.addWidget(self.charts, 1)
+        left.addWidget(self.summary)
+        layout.addLayout(left, 1)
+        layout.addWidget(self.controls_area)
+        client.stats.connect(self._on_stats)
+        client.model_loaded.connect(self._on_model_loaded)
+        client.busy_changed.connect(self._update_enabled)
+        self.timer = QTimer(self)
+        self.timer.setInterval(1000 // REFRESH_HZ)
+        self.timer.timeout.connect(self._on_timer)
+        self.timer.start()
+        self._update_enabled()
+
+    # --- construction ---
+
+    def _plot(self, row: int, col: int, title: str, left: str, bottom: str, keys: dict[str, str]) -> pg.PlotItem:
+        """A plot whose title carries its colour key (a legend would cover the data in plots this small)."""
+        plot = self.charts.addPlot(row=row, col=col)
+        plot.setLabel("left", left)
+        plot.setLabel("bottom", bottom)
+        plot.showGrid(x=True, y=True, alpha=0.25)
+        plot.setMenuEnabled(False)
+        label = plot.titleLabel
+        # LabelItem makes its text's width the column's minimum on every change; in a panel this narrow a long
+        # title would push the last column out of view, so only the height is kept as a minimum.
+        label.updateMin = lambda: label.setMinimumHeight(label.item.boundingRect().height())
+        plot._title = title
+        plot._keys = " ".join(f"<span style='color:{colour}'>&#9632;&nbsp;{name}</span>"
+                              for name, colour in keys.items())
+        self._set_title(plot, title)
+        return plot
+
+    def _set_title(self, plot: pg.PlotItem, title: str) -> None:
+        plot._title = title
+        plot.setTitle(f"<span style='color:{self._text_colour}'>{title}</span><br>"
+                      f"<span style='font-size:8pt'>{plot._keys}</span>", size="10pt")
+
+    def _line(self, plot: pg.PlotItem, name: str, colour: str, width: float = 2) -> pg.PlotDataItem:
+        # Small dots as well as lines: an interval with data between two without shows as a point.
+        item = plot.plot([], [], name=name, pen=pg.mkPen(colour, width=width), connect="finite",
+                         symbol="o", symbolSize=4, symbolPen=None, symbolBrush=colour)
+        item.setDownsampling(auto=True, method="peak")
+        item.setClipToView(True)
+        return item
+
+    def _bar_stack(self, plot: pg.PlotItem, colours: dict[str, str]) -> dict[str, pg.BarGraphItem]:
+        """One stacked bar per layer, a segment per series (bottom to top in the order given)."""
+        stack = {}
+        for name, colour in colours.items():
+            item = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.75, brush=colour, pen=None)
+            plot.addItem(item)
+            stack[name] = item
+        return stack
+
+    @staticmethod
+    def _set_stack(plot: pg.PlotItem, stack: dict[str, pg.BarGraphItem], x: np.ndarray,
+                   heights: dict[str, np.ndarray]) -> float:
+        base = np.zeros_like(x)
+        for name, bars in stack.items():
+            h = np.asarray(heights[name], dtype=float)
+            bars.setOpts(x=x, y0=base.copy(), height=h)
+            base = base + h
+        top = max(float(base.max(initial=0.0)), 1.0)
+        plot.setYRange(0, top * 1.08, padding=0)
+        return top
+
+    def _build_charts(self) -> None:
+        self._text_colour = "#1a1a1a"
+        self.charts = pg.GraphicsLayoutWidget()
+        self.charts.setAccessibleName("Cache charts")
+        self.charts.setMinimumSize(240, 100)
+        self.charts.ci.setSpacing(4)
+        self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", "s", TIER_COLOURS)
+        self.hit_plot.setYRange(0, 1.15, padding=0)
+        self.hit_lines = {t: self._line(self.hit_plot, t, TIER_COLOURS[t]) for t in CHART_TIERS}
+        self.latency_plot = self._plot(0, 1, "FFN call latency (median)", "µs", "s", OUTCOME_COLOURS)
+        self.latency_plot.setLogMode(y=True)   # hits take tens of µs, prefill calls tens of ms
+        # Decades only (pyqtgraph's minor log labels pile up in a plot this small).
+        self.latency_plot.getAxis("left").setTicks(
+            [[(k, f"{10 ** k:,.0f}") for k in range(0, 8)], []])
+        self.latency_lines = {o: self._line(self.latency_plot, o, OUTCOME_COLOURS.get(o, "#7f7f7f"))
+                              for o in OUTCOMES}
+        self.fidelity_plot = self._plot(0, 2, "Hit fidelity (verify)", "cosine", "s",
+                                        {"mean": "#2ca02c", "min": "#d62728"})
+        self.fidelity_lines = {"mean_cosine": self._line(self.fidelity_plot, "mean", "#2ca02c"),
+                               "min_cosine": self._line(self.fidelity_plot, "min", "#d62728", 1)}
+        self.layer_plot = self._plot(1, 0, "Calls per layer", "calls", "layer",
+                                     BAR_KEYS)
+        # Patched layers: a shaded column behind their bars, drawn first so the counts stay on top.
+        self.patched_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.95,
+                                            brush=pg.mkBrush(PATCHED_COLOUR), pen=pg.mkPen("#c89600", width=1.5))
+        self.layer_plot.addItem(self.patched_bars)
+        self.layer_bars = self._bar_stack(self.layer_plot, BAR_COLOURS)
+        self.entries_plot = self._plot(1, 1, "Entries per layer", "entries", "layer", TIER_COLOURS)
+        self.entry_bars = self._bar_stack(self.entries_plot, TIER_COLOURS)
+        self.memory_plot = self._plot(1, 2, "Memory per layer", "KiB", "layer", TIER_COLOURS)
+        self.memory_bars = self._bar_stack(self.memory_plot, TIER_COLOURS)
+        self.summary = QLabel("No statistics yet: load a model and send a prompt.")
+        self.summary.setWordWrap(True)
+        self.summary.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.summary.setAccessibleName("Cache summary")
+
+    def _build_controls(self) -> None:
+        self.l1 = TierControls("L1")
+        self.l2 = TierControls("L2")
+        walk = QGroupBox("Walk FFN")
+        self.dense = QCheckBox("Dense FFN (no walk, no cache)")
+        self.dense.setAccessibleName("Dense FFN")
+        self.top_k = QSpinBox(minimum=0, maximum=1_000_000, singleStep=64)
+        self.top_k.setSpecialValueText("79% (seed)")
+        self.top_k.setAccessibleName("K")
+        self.top_k.setToolTip("Features per layer in the walk; K at 80% or more of the layer runs dense")
+        self.key_width = QSpinBox(minimum=0, maximum=1_000_000)
+        self.key_width.setSpecialValueText("= K")
+        self.key_width.setAccessibleName("Key width")
+        self.key_width.setToolTip("k': how many of the strongest selected features make the cache key")
+        self.guard = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.001, decimals=4)
+        self.guard.setSpecialValueText("off")
+        self.guard.setAccessibleName("Cosine guard")
+        self.guard.setToolTip("A hit needs this cosine between the stored and the current FFN input")
+        self.verify = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=2)
+        self.verify.setAccessibleName("Verify fraction")
+        self.verify.setToolTip("Share of hits recomputed to measure the error a hit carries")
+        form = QFormLayout(walk)
+        form.addRow(self.dense)
+        form.addRow("K", self.top_k)
+        form.addRow("Key width k'", self.key_width)
+        form.addRow("Cosine guard", self.guard)
+        form.addRow("Verify fraction", self.verify)
+        self.apply_button = QPushButton("Apply settings")
+        self.apply_button.setAccessibleName("Apply cache settings")
+        self.apply_button.clicked.connect(self.apply)
+        self.clear_button = QPushButton("Clear caches")
+        self.clear_button.setAccessibleName("Clear caches")
+        self.clear_button.clicked.connect(self.clear_caches)
+        self.reset_button = QPushButton("Reset stats")
+        self.reset_button.setAccessibleName("Reset statistics")
+        self.reset_button.clicked.connect(self.reset_stats)
+        self.export_stats_button = QPushButton("Export stats…")
+        self.export_stats_button.setAccessibleName("Export statistics")
+        self.export_stats_button.setToolTip("JSON (everything) or CSV (one row per layer)")
+        self.export_stats_button.clicked.connect(self._on_export_stats)
+        self.export_charts_button = QPushButton("Export charts…")
+        self.export_charts_button.setAccessibleName("Export charts")
+        self.export_charts_button.setToolTip("A PNG image of the charts")
+        self.export_charts_button.clicked.connect(self._on_export_charts)
+        tiers = QGroupBox("Cache tiers")
+        grid = QGridLayout(tiers)
+        for col, tier in enumerate((self.l1, self.l2), start=1):
+            grid.addWidget(QLabel(f"<b>{tier.name}</b>"), 0, col, Qt.AlignHCenter)
+            grid.addWidget(tier.enabled, 1, col)
+            grid.addWidget(tier.capacity, 2, col)
+            grid.addWidget(tier.policy, 3, col)
+        for row, text in enumerate(("Enabled", "Capacity", "Eviction"), start=1):
+            grid.addWidget(QLabel(text), row, 0)
+        buttons = QGridLayout()
+        for i, button in enumerate((self.apply_button, self.clear_button, self.reset_button,
+                                    self.export_stats_button, self.export_charts_button)):
+            if i == 0:
+                buttons.addWidget(button, 0, 0, 1, 2)
+            else:
+                buttons.addWidget(button, 1 + (i - 1) // 2, (i - 1) % 2)
+        box = QWidget()
+        column = QVBoxLayout(box)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(walk)
+        column.addWidget(tiers)
+        column.addLayout(buttons)
+        column.addStretch(1)
+        self.controls_area = QScrollArea()
+        self.controls_area.setWidget(box)
+        self.controls_area.setWidgetResizable(True)
+        self.controls_area.setFrameShape(QScrollArea.NoFrame)
+        self.controls_area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.controls_area.setFixedWidth(box.sizeHint().width()
+                                         + self.controls_area.verticalScrollBar().sizeHint().width() + 4)
+        self.controls_area.setSizePolicy(QSizePolicy.Fixed, QSizePolicy.Expanding)
+        self.controls_area.setAccessibleName("Cache settings")
+
+    # --- settings ---
+
+    def cache_settings(self) -> CacheSettings:
+        """Raises ValueError for values the engine refuses."""
+        walk = WalkSettings(top_k=self.top_k.value() or None, dense=self.dense.isChecked(),
+                            key_width=self.key_width.value() or None,
+                            cosine_guard=self.guard.value() or None, verify_fraction=self.verify.value())
+        return CacheSettings(walk, self.l1.settings(), self.l2.settings())
+
+    def set_cache_settings(self, c: CacheSettings) -> None:
+        w = c.walk
+        self.dense.setChecked(w.dense)
+        self.top_k.setValue(w.top_k or 0)
+        self.key_width.setValue(w.key_width or 0)
+        self.guard.setValue(w.cosine_guard or 0.0)
+        self.verify.setValue(w.verify_fraction)
+        self.l1.set_settings(c.l1)
+        self.l2.set_settings(c.l2)
+
+    def save(self, store: QSettings, group: str = "cache") -> None:
+        c = self.cache_settings()
+        store.beginGroup(group)
+        for key, value in (("dense", c.walk.dense), ("top_k", c.walk.top_k or 0), ("key_width", c.walk.key_width or 0),
+                           ("cosine_guard", c.walk.cosine_guard or 0.0), ("verify", c.walk.verify_fraction)):
+            store.setValue(key, value)
+        for name, t in (("l1", c.l1), ("l2", c.l2)):
+            store.setValue(f"{name}_enabled", t.enabled)
+            store.setValue(f"{name}_capacity", t.capacity)
+            store.setValue(f"{name}_policy", t.policy)
+        store.setValue("last_dir", self._last_dir)
+        store.endGroup()
+
+    def restore(self, store: QSettings, group: str = "cache") -> None:
+        store.beginGroup(group)
+        try:
+            walk = WalkSettings(top_k=_settings_value(store, "top_k", int, 0) or None,
+                                dense=_settings_value(store, "dense", bool, False),
+                                key_width=_settings_value(store, "key_width", int, 0) or None,
+                                cosine_guard=_settings_value(store, "cosine_guard", float, 0.0) or None,
+                                verify_fraction=_settings_value(store, "verify", float, 0.0))
+            tiers = [TierSettings(_settings_value(store, f"{n}_enabled", bool, True),
+                                  _settings_value(store, f"{n}_capacity", int, TierSettings().capacity),
+                                  _settings_value(store, f"{n}_policy", str, "drop")) for n in ("l1", "l2")]
+            self.set_cache_settings(CacheSettings(walk, *tiers))
+        except ValueError:
+            self.set_cache_settings(CacheSettings())   # stored values the engine refuses: defaults
+        self._last_dir = str(store.value("last_dir", self._last_dir))
+        store.endGroup()
+
+    # --- actions ---
+
+    @Slot()
+    def apply(self) -> None:
+        try:
+            settings = self.cache_settings()
+        except ValueError as exc:
+            self.error.emit(f"Cache settings: {exc}")
+            return
+        self.client.submit(ConfigureCache(self.client.next_request_id(), settings))
+
+    @Slot()
+    def clear_caches(self) -> None:
+        self.client.submit(ClearCaches(self.client.next_request_id()))
+
+    @Slot()
+    def reset_stats(self) -> None:
+        self.client.submit(ResetStats(self.client.next_request_id()))
+
+    def export_stats(self, path: str | Path) -> Path:
+        """JSON for a .json path, CSV (one row per layer) otherwise. Raises OSError or ValueError."""
+        event = self.model.latest
+        if event is None:
+            raise ValueError("there are no statistics to export yet")
+        path = Path(path)
+        path.write_text(stats_json(event) if path.suffix.lower() == ".json" else stats_csv(event), encoding="utf-8")
+        return path
+
+    def export_charts(self, path: str | Path) -> Path:
+        """A PNG of the charts as shown (pyqtgraph's SVG export is broken on Qt 6.11+)."""
+        self.refresh(force=True)
+        path = Path(path)
+        if not self.charts.grab().save(str(path), "PNG"):
+            raise OSError(f"could not write {path}")
+        return path
+
+    def _ask_path(self, title: str, name: str, filters: str) -> str:
+        path, _ = QFileDialog.getSaveFileName(self, title, str(Path(self._last_dir) / name), filters)
+        if path:
+            self._last_dir = str(Path(path).parent)
+        return path
+
+    @Slot()
+    def _on_export_stats(self) -> None:
+        path = self._ask_path("Export cache statistics", "cache-stats.json", "JSON (*.json);;CSV per layer (*.csv)")
+        if path:
+            try:
+                self.export_stats(path)
+            except (OSError, ValueError) as exc:
+                self.error.emit(f"Exporting statistics: {exc}")
+
+    @Slot()
+    def _on_export_charts(self) -> None:
+        path = self._ask_path("Export cache charts", "cache-charts.png", "PNG image (*.png)")
+        if path:
+            try:
+                self.export_charts(path)
+            except OSError as exc:
+                self.error.emit(f"Exporting charts: {exc}")
+
+    # --- updates ---
+
+    @Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        if info.intermediate:
+            self.top_k.setMaximum(info.intermediate)
+            self.key_width.setMaximum(info.intermediate)
+        self.apply()   # the worker builds each new engine with the last settings; send the panel's own
+        self._update_enabled()
+
+    @Slot(object)
+    def _on_stats(self, event: CacheStatsEvent) -> None:
+        self.model.ingest(event)
+
+    @Slot()
+    def _update_enabled(self) -> None:
+        loaded = self.client.model is not None
+        for button in (self.clear_button, self.reset_button):
+            button.setEnabled(loaded)
+
+    @Slot()
+    def _on_timer(self) -> None:
+        if self.isVisible():
+            self.refresh()
+
+    def set_dark(self, dark: bool) -> None:
+        self.charts.setBackground("#1e1e1e" if dark else "#ffffff")
+        pen = pg.mkPen("#d0d0d0" if dark else "#303030")
+        for plot in (self.hit_plot, self.latency_plot, self.fidelity_plot, self.layer_plot, self.entries_plot,
+                     self.memory_plot):
+            for axis in ("left", "bottom"):
+                plot.getAxis(axis).setPen(pen)
+                plot.getAxis(axis).setTextPen(pen)
+        self._text_colour = "#e6e6e6" if dark else "#1a1a1a"
+        for plot in (self.hit_plot, self.latency_plot, self.fidelity_plot, self.layer_plot, self.entries_plot,
+                     self.memory_plot):
+            self._set_title(plot, plot._title)
+        self._drawn = -1
+
+    def refresh(self, force: bool = False) -> None:
+        """Copy the model into the plot items (a no-op if nothing changed since the last call)."""
+        m = self.model
+        if m.version == self._drawn and not force:
+            return
+        self._drawn = m.version
+        for lines, history in ((self.hit_lines, m.hit_rate), (self.latency_lines, m.latency_us),
+                               (self.fidelity_lines, m.fidelity)):
+            for name, line in lines.items():
+                y = history.column(name)
+                if np.isfinite(y).any():
+                    line.setData(history.t, y)
+                else:
+                    line.setData([], [])   # an all-NaN series makes pyqtgraph warn about its bounds
+        lowest = m.fidelity.column("min_cosine")
+        lowest = float(np.nanmin(lowest)) if np.isfinite(lowest).any() else 1.0
+        self.fidelity_plot.setYRange(min(0.99, lowest - 0.005), 1.004, padding=0)
+        layers = m.per_layer()
+        event = m.latest
+        if event is None:
+            return
+        x = np.arange(event.n_layers, dtype=float)
+        zeros = np.zeros(event.n_layers)
+        top = self._set_stack(self.layer_plot, self.layer_bars, x,
+                              {name: layers.get(name, zeros) for name in self.layer_bars})
+        patched = np.array(event.patched_layers, dtype=float)
+        self.patched_bars.setOpts(x=patched, height=np.full(patched.size, top * 1.08))
+        self._set_stack(self.entries_plot, self.entry_bars, x,
+                        {name: layers.get(f"{name} entries", zeros) for name in self.entry_bars})
+        self._set_stack(self.memory_plot, self.memory_bars, x,
+                        {name: layers.get(f"{name} KiB", zeros) for name in self.memory_bars})
+        self._update_titles(event)
+
+    def _update_titles(self, event: CacheStatsEvent) -> None:
+        kib = sum(float(event.process.tiers[t].bytes.sum()) for t in CHART_TIERS) / 1024
+        self._set_title(self.memory_plot, f"Memory per layer ({kib / 1024:.1f} MiB)")
+        self.summary.setText(summary_text(event))
+
+
+def _scope_text(label: str, snap) -> str:
+    tiers = " · ".join(f"{name} {100 * snap.tiers[name].hit_rate:.0f}% of "
+                       f"{int(snap.tiers[name].hits.sum() + snap.tiers[name].misses.sum())}"
+                       + ("" if snap.tiers[name].enabled else " (off)")
+                       for name in snap.tiers if snap.tiers[name].enabled or name in CHART_TIERS)
+    return (f"<b>{label}</b>: {snap.calls} FFN calls · {snap.lookups} decode lookups · hit rate {tiers} · "
+            f"{snap.bypass_total} bypasses")
+
+
+def summary_text(event: CacheStatsEvent) -> str:
+    w = event.settings.walk
+    mode = "dense FFN" if w.dense else (f"walk K={w.top_k or '79%'}" + (f", k'={w.key_width}" if w.key_width else "")
+                                        + (f", guard {w.cosine_guard}" if w.cosine_guard else ""))
+    lines = [_scope_text("All chats", event.process)]
+    if event.session is not None:
+        lines.append(_scope_text(f"Chat {event.session_id}", event.session))
+    patched = ", ".join(map(str, event.patched_layers)) or "none"
+    f = event.process.fidelity
+    fidelity = (f"verified {f.checked} hits: cosine mean {f.mean_cosine:.6f}, min {f.min_cosine:.6f}, "
+                f"max |error| {f.max_abs_error:.3g}, stale {f.max_stale_error:.3g}" if f.checked
+                else "no hits verified (set a verify fraction)")
+    lines.append(f"{mode} · patched layers: {patched} · {fidelity}")
+    return "<br>".join(lines)

@@ -1,0 +1,350 @@
+"""The patch editor: INSERT a fact, probe a prompt before/after, and manage the applied patches and patch files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
+                               QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
+
+from .protocol import (ErrorReport, InsertFact, InsertFinished, InsertProgress, LoadPatchFile, ModelInfo,
+                       PatchesChanged, PatchSaved, ProbePrompt, ProbeResult, RemovePatch, SavePatch)
+from .worker import EngineClient
+
+_AUTO_LAYER = -1
+_FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, LoadPatchFile: PatchesChanged,
+                 RemovePatch: PatchesChanged, SavePatch: PatchSaved}
+_PATCH_CONTEXTS = ("INSERT", "Probe", "Loading patch file", "Saving patch", "Removing patch")
+_PATCH_FILTER = "LARQL patches (*.json *.vlp);;All files (*)"
+
+
+def _probability(p: float | None) -> str:
+    return "–" if p is None else f"{p:.3f}"
+
+
+class PatchEditor(QWidget):
+    error = Signal(str)   # for the window's banner (GUI-side problems; engine errors come through the client)
+
+    def __init__(self, client: EngineClient, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.client = client
+        self.patches: tuple = ()
+        self.last_probe: ProbeResult | None = None
+        self.last_insert: InsertFinished | None = None
+        self._pending: dict[int, type] = {}   # this panel's requests still in the worker, by id
+        self._last_dir = str(Path.home())
+        content = QWidget()
+        layout = QVBoxLayout(content)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self._build_insert())
+        layout.addWidget(self._build_probe())
+        layout.addWidget(self._build_list(), 1)
+        self.status = QLabel("")
+        self.status.setWordWrap(True)
+        self.status.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.status.setAccessibleName("Patch editor status")
+        layout.addWidget(self.status)
+        scroll = QScrollArea()   # the dock may be shorter than the form: scroll rather than squash it
+        scroll.setWidget(content)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.NoFrame)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scroll)
+        client.event.connect(self._on_event)
+        client.error.connect(self._on_error)
+        client.model_loaded.connect(self._on_model_loaded)
+        client.busy_changed.connect(self._update_enabled)
+        self._update_enabled()
+
+    # --- construction ---
+
+    def _line(self, name: str, placeholder: str) -> QLineEdit:
+        edit = QLineEdit()
+        edit.setAccessibleName(name)
+        edit.setPlaceholderText(placeholder)
+        return edit
+
+    def _build_insert(self) -> QGroupBox:
+        box = QGroupBox("INSERT a fact")
+        self.entity = self._line("Entity", "e.g. Atlantis")
+        self.relation = self._line("Relation", "e.g. capital-of")
+        self.target = self._line("Target", "e.g. Poseidon")
+        self.layer = QSpinBox(minimum=_AUTO_LAYER, maximum=1000)
+        self.layer.setSpecialValueText("auto")
+        self.layer.setValue(_AUTO_LAYER)
+        self.layer.setAccessibleName("Install layer")
+        self.layer.setToolTip("auto: LARQL's default layer, then its neighbours until the target is likely")
+        self.alpha = QDoubleSpinBox(minimum=0.001, maximum=100.0, singleStep=0.05, decimals=3, value=0.1)
+        self.alpha.setAccessibleName("Alpha")
+        self.alpha.setToolTip("Initial strength of the written down vector (balanced afterwards)")
+        self.insert_button = QPushButton("Insert")
+        self.insert_button.setAccessibleName("Insert fact")
+        self.insert_button.setToolTip("Runs for a few seconds in the engine thread (Ctrl+I)")
+        self.insert_button.setShortcut("Ctrl+I")
+        self.insert_button.clicked.connect(self.insert)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setAccessibleName("INSERT progress")
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+        self.progress_label = QLabel("")
+        self.progress_label.setWordWrap(True)
+        self.progress_label.setAccessibleName("INSERT progress message")
+        form = QFormLayout(box)
+        form.addRow("Entity", self.entity)
+        form.addRow("Relation", self.relation)
+        form.addRow("Target", self.target)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Layer"))
+        row.addWidget(self.layer)
+        row.addWidget(QLabel("Alpha"))
+        row.addWidget(self.alpha)
+        row.addStretch(1)
+        row.addWidget(self.insert_button)
+        form.addRow(row)
+        form.addRow(self.progress)
+        form.addRow(self.progress_label)
+        self.entity.textChanged.connect(self._suggest_probe)
+        self.relation.textChanged.connect(self._suggest_probe)
+        return box
+
+    def _build_probe(self) -> QGroupBox:
+        box = QGroupBox("Probe")
+        self.probe_prompt = self._line("Probe prompt", "e.g. The capital of Atlantis is")
+        self.probe_button = QPushButton("Probe")
+        self.probe_button.setAccessibleName("Run probe")
+        self.probe_button.setToolTip("Greedy continuation and the target's probability without and with patches")
+        self.probe_button.clicked.connect(self.probe)
+        self.probe_prompt.returnPressed.connect(self.probe)
+        self.probe_table = QTableWidget(2, 2)
+        self.probe_table.setAccessibleName("Probe results")
+        self.probe_table.setHorizontalHeaderLabels(["Greedy continuation", "P(target)"])
+        self.probe_table.setVerticalHeaderLabels(["Base model", "With patches"])
+        self.probe_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.probe_table.setWordWrap(False)
+        self.probe_table.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
+        self.probe_table.horizontalHeader().setSectionResizeMode(1, QHeaderView.ResizeToContents)
+        self.probe_table.setFixedHeight(self.probe_table.verticalHeader().length()
+                                        + self.probe_table.horizontalHeader().sizeHint().height() + 6)
+        layout = QVBoxLayout(box)
+        row = QHBoxLayout()
+        row.addWidget(self.probe_prompt, 1)
+        row.addWidget(self.probe_button)
+        layout.addLayout(row)
+        layout.addWidget(self.probe_table)
+        return box
+
+    def _build_list(self) -> QGroupBox:
+        box = QGroupBox("Applied patches")
+        self.patch_list = QTreeWidget()
+        self.patch_list.setAccessibleName("Applied patches")
+        self.patch_list.setHeaderLabels(["Patch", "Layers", "Features"])
+        self.patch_list.setRootIsDecorated(False)
+        self.patch_list.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.patch_list.header().setSectionResizeMode(0, QHeaderView.Stretch)
+        self.patch_list.itemSelectionChanged.connect(self._update_enabled)
+        self.remove_button = QPushButton("Remove")
+        self.remove_button.setAccessibleName("Remove patch")
+        self.remove_button.clicked.connect(self.remove_selected)
+        self.save_button = QPushButton("Save…")
+        self.save_button.setAccessibleName("Save patch")
+        self.save_button.clicked.connect(self._on_save)
+        self.load_button = QPushButton("Load…")
+        self.load_button.setAccessibleName("Load patch file")
+        self.load_button.clicked.connect(self._on_load)
+        row = QHBoxLayout()
+        for button in (self.load_button, self.save_button, self.remove_button):
+            row.addWidget(button)
+        row.addStretch(1)
+        layout = QVBoxLayout(box)
+        layout.addWidget(self.patch_list, 1)
+        layout.addLayout(row)
+        return box
+
+    # --- requests ---
+
+    def _submit(self, request) -> int:
+        self._pending[request.request_id] = type(request)
+        self.client.submit(request)
+        self._update_enabled()
+        return request.request_id
+
+    @Slot()
+    def insert(self) -> int | None:
+        if self.client.model is None:
+            return None
+        layer = self.layer.value()
+        self.progress.setValue(0)
+        self.progress.show()
+        self.progress_label.setText("Starting INSERT…")
+        self.last_insert = None
+        return self._submit(InsertFact(self.client.next_request_id(), self.entity.text(), self.relation.text(),
+                                       self.target.text(), None if layer == _AUTO_LAYER else layer,
+                                       self.alpha.value(), self.probe_prompt.text()))
+
+    @Slot()
+    def probe(self) -> int | None:
+        if self.client.model is None:
+            return None
+        return self._submit(ProbePrompt(self.client.next_request_id(), self.probe_prompt.text(), self.target.text()))
+
+    def load_file(self, path: str | Path) -> int:
+        return self._submit(LoadPatchFile(self.client.next_request_id(), Path(path)))
+
+    def save_patch(self, index: int, path: str | Path) -> int:
+        return self._submit(SavePatch(self.client.next_request_id(), index, Path(path)))
+
+    def remove_patch(self, index: int) -> int:
+        return self._submit(RemovePatch(self.client.next_request_id(), index))
+
+    @property
+    def busy(self) -> bool:
+        """A request of this panel is still running (or queued) in the engine thread."""
+        return bool(self._pending)
+
+    def selected_index(self) -> int | None:
+        items = self.patch_list.selectedItems()
+        return self.patch_list.indexOfTopLevelItem(items[0]) if items else None
+
+    @Slot()
+    def remove_selected(self) -> None:
+        index = self.selected_index()
+        if index is not None:
+            self.remove_patch(index)
+
+    @Slot()
+    def _on_save(self) -> None:
+        index = self.selected_index()
+        if index is None:
+            return
+        name = (self.patches[index].name or f"patch-{index + 1}") + ".json"
+        path, _ = QFileDialog.getSaveFileName(self, "Save patch", str(Path(self._last_dir) / name), _PATCH_FILTER)
+        if path:
+            self._last_dir = str(Path(path).parent)
+            self.save_patch(index, path)
+
+    @Slot()
+    def _on_load(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load patch file", self._last_dir, _PATCH_FILTER)
+        if path:
+            self._last_dir = str(Path(path).parent)
+            self.load_file(path)
+
+    # --- answers ---
+
+    @Slot(object)
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, InsertProgress):
+            self.progress.setValue(round(max(0.0, min(1.0, event.fraction)) * 1000))
+            self.progress_label.setText(event.message)
+            return
+        if isinstance(event, PatchesChanged):
+            self._show_patches(event)
+        elif isinstance(event, InsertFinished):
+            self.last_insert = event
+            self.progress.hide()
+            self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
+                                        f"P(target) = {event.probability:.3f} on the fact's own prompt.")
+        elif isinstance(event, ProbeResult):
+            self._show_probe(event)
+        elif isinstance(event, PatchSaved):
+            self.status.setText(f"Saved {event.path}")
+        else:
+            return
+        # Each request's last answer (an INSERT's patches and probe come before its InsertFinished).
+        if type(event) is _FINAL_ANSWER.get(self._pending.get(event.request_id)):
+            del self._pending[event.request_id]
+        self._update_enabled()
+
+    @Slot(object)
+    def _on_error(self, report: ErrorReport) -> None:
+        if report.request_id in self._pending or report.context in _PATCH_CONTEXTS:
+            self._pending.pop(report.request_id, None)
+            self.progress.hide()
+            self.progress_label.setText("")
+            self.status.setText(f"<span style='color:#c0392b'>{report.describe()}</span>")
+            self._update_enabled()
+
+    @Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.layer.setMaximum(info.n_layers - 1)
+        self._pending.clear()
+        self.progress.hide()
+        self._update_enabled()
+
+    def _show_patches(self, event: PatchesChanged) -> None:
+        self.patches = event.patches
+        self.patch_list.clear()
+        for patch in event.patches:
+            features = ", ".join(f"{layer}:{feature}" for layer, feature in patch.features)
+            item = QTreeWidgetItem([patch.description or patch.name or "(no description)",
+                                    ", ".join(map(str, patch.layers)), features])
+            item.setToolTip(0, patch.description)
+            self.patch_list.addTopLevelItem(item)
+        for col in (1, 2):
+            self.patch_list.resizeColumnToContents(col)
+        layers = ", ".join(map(str, event.patched_layers)) or "none"
+        self.status.setText(f"{len(event.patches)} patch{'es' if len(event.patches) != 1 else ''} applied; "
+                            f"patched layers: {layers}")
+
+    def _show_probe(self, result: ProbeResult) -> None:
+        self.last_probe = result
+        rows = ((result.base_text, result.base_probability), (result.patched_text, result.patched_probability))
+        for row, (text, p) in enumerate(rows):
+            item = QTableWidgetItem(" ".join(text.split("\n")))   # one line per cell; the tooltip has all
+            item.setToolTip(text)
+            self.probe_table.setItem(row, 0, item)
+            cell = QTableWidgetItem(_probability(p))
+            cell.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+            self.probe_table.setItem(row, 1, cell)
+        self.probe_table.setToolTip(f"“{result.prompt}” · target “{result.target}”")
+
+    @Slot()
+    def _suggest_probe(self) -> None:
+        """Keep the probe prompt in step with the fact while the user has not typed their own."""
+        entity, relation = self.entity.text().strip(), self.relation.text().strip()
+        current = self.probe_prompt.text()
+        if current and current != getattr(self, "_suggested", None):
+            return
+        words = relation.replace("-", " ").replace("_", " ").split()
+        if len(words) > 1 and words[-1].lower() == "of":
+            words = words[:-1]
+        self._suggested = f"The {' '.join(words)} of {entity} is" if entity and words else ""
+        self.probe_prompt.setText(self._suggested)
+
+    @Slot()
+    def _update_enabled(self) -> None:
+        loaded = self.client.model is not None and not self.client.loading
+        busy = bool(self._pending)
+        self.insert_button.setEnabled(loaded and not busy)
+        self.probe_button.setEnabled(loaded and not busy)
+        self.load_button.setEnabled(loaded and not busy)
+        selected = self.selected_index() is not None
+        self.save_button.setEnabled(loaded and selected and not busy)
+        self.remove_button.setEnabled(loaded and selected and not busy)
+
+    # --- settings ---
+
+    def save(self, store: QSettings, group: str = "patches") -> None:
+        store.beginGroup(group)
+        store.setValue("last_dir", self._last_dir)
+        store.setValue("entity", self.entity.text())
+        store.setValue("relation", self.relation.text())
+        store.setValue("target", self.target.text())
+        store.setValue("probe", self.probe_prompt.text())
+        store.setValue("alpha", self.alpha.value())
+        store.endGroup()
+
+    def restore(self, store: QSettings, group: str = "patches") -> None:
+        store.beginGroup(group)
+        self._last_dir = str(store.value("last_dir", self._last_dir))
+        for edit, key in ((self.entity, "entity"), (self.relation, "relation"), (self.target, "target"),
+                          (self.probe_prompt, "probe")):
+            edit.setText(str(store.value(key, "")))
+        try:
+            self.alpha.setValue(float(store.value("alpha", 0.1)))
+        except (TypeError, ValueError):
+            pass
+        store.endGroup()

@@ -1,0 +1,114 @@
+"""Screenshots of the real app: chat, cache monitor and patch editor, on SmolLM2, offscreen.
+
+    python packaging/screenshots.py [--out resources/screenshots] [--dark]
+
+Starts the app as `larql-desktop` would (its own engine thread, the packaged model), sends a prompt in one chat
+and the same prompt in a second (so the shared L2 cache hits), INSERTs (Atlantis, capital-of, Poseidon) from
+the patch editor, asks about Atlantis, and saves PNGs of the window and of each panel. App files (settings,
+ONNX exports) go to a temporary home unless LARQL_DESKTOP_HOME is set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "resources" / "screenshots")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dark", action="store_true", help="use the dark theme")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    os.environ.setdefault("LARQL_DESKTOP_HOME", tempfile.mkdtemp(prefix="larql-desktop-screens-"))
+    sys.path.insert(0, str(ROOT))
+
+    from PySide6.QtCore import QSettings
+    from PySide6.QtWidgets import QApplication
+
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.qt.main_window import MainWindow
+    from larql_desktop.qt.worker import EngineClient
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    paths = AppPaths.from_environment().ensure()
+    client = EngineClient(paths, threads=2)
+    settings = QSettings(str(paths.config / "screenshots.ini"), QSettings.IniFormat)
+    settings.clear()
+    window = MainWindow(client, settings, app)
+    window.set_dark_theme(args.dark)
+    window.resize(1440, 960)
+    window.show()
+
+    def wait(condition, what: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"timed out waiting for {what}")
+            if window.error_banner.text:
+                raise SystemExit(f"the app reported an error while waiting for {what}: {window.error_banner.text}")
+            app.processEvents()
+            time.sleep(0.02)
+
+    def settle(seconds: float = 0.3) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.02)
+
+    def ask(text: str, max_tokens: int = 40) -> None:
+        window.sampling.max_tokens.setValue(max_tokens)
+        window.current_tab().input.setPlainText(text)
+        window.send_action.trigger()
+        wait(lambda: client.generating_session is not None, "the reply to start")
+        wait(lambda: client.generating_session is None, "the reply")
+
+    try:
+        window.load_model(args.model)
+        wait(lambda: client.model is not None, "the model")
+        # Verify a share of hits so the fidelity chart has something to show.
+        window.monitor.verify.setValue(0.5)
+        window.monitor.apply()
+        prompt = "How many legs does a spider have? Answer in two sentences."
+        ask(prompt)
+        window.new_chat()
+        ask(prompt)
+        editor = window.patch_editor
+        window.patch_editor_dock.raise_()
+        editor.entity.setText("Atlantis")
+        editor.relation.setText("capital-of")
+        editor.target.setText("Poseidon")
+        editor.insert()
+        wait(lambda: editor.last_insert is not None and not editor.busy, "the INSERT")
+        editor.patch_list.setCurrentItem(editor.patch_list.topLevelItem(0))
+        ask("What is the capital of Atlantis?", max_tokens=24)
+        window.tabs.setCurrentIndex(1)
+        settle(0.5)
+        window.monitor.refresh(force=True)
+        settle()
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        shots = {"window.png": window, "chat.png": window.centralWidget(),
+                 "cache-monitor.png": window.monitor_dock, "patch-editor.png": window.patch_editor_dock}
+        for name, widget in shots.items():
+            if widget is window.patch_editor_dock:
+                widget.raise_()
+                settle()
+            path = args.out / name
+            if not widget.grab().save(str(path), "PNG"):
+                raise SystemExit(f"could not write {path}")
+            print(path)
+    finally:
+        window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
