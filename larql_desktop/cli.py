@@ -124,10 +124,10 @@ def cmd_hitrates(args) -> int:
 def cmd_bench(args) -> int:
     import json
 
-    from .engine.bench import DEFAULT_PROMPT, format_report, run_bench
+    from .engine.bench import DEFAULT_PROMPT, LARQL_MODES, format_report, run_bench
 
     doc = run_bench(args.model, args.threads, args.tokens, args.prompt or DEFAULT_PROMPT, args.runs,
-                    modes=tuple(args.modes.split(",")) if args.modes else None or ("dense", "sparse", "cold", "warm"),
+                    modes=tuple(m.strip() for m in args.modes.split(",")) if args.modes else LARQL_MODES,
                     llama=False if args.no_llama_cpp else None,
                     log=lambda line: print(line, file=sys.stderr, flush=True))
     for line in format_report(doc):
@@ -225,6 +225,40 @@ def cmd_self_test(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The local HTTP API over a headless engine (with the default persistent L3 unless --l3 says otherwise)."""
+    import os
+
+    from .engine.engine import LarqlEngine
+    from .engine.l3 import L3Settings, open_l3
+    from .engine.paths import AppPaths
+    from .server import is_loopback, start_server
+
+    token = args.token or os.environ.get("LARQL_DESKTOP_API_TOKEN") or None
+    if not is_loopback(args.host) and not token:
+        raise ValueError(f"--host {args.host} is not loopback: give a token (--token or LARQL_DESKTOP_API_TOKEN)")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be within 0..65535, not {args.port}")
+    l3_settings = L3Settings(dtype="float16" if args.l3_fp16 else "float32", max_bytes=args.l3_max_mb << 20)
+    paths = AppPaths.from_environment().ensure()
+    store = open_l3(args.l3, paths, l3_settings)
+    model = _load(args, quiet_progress=True)
+    engine = LarqlEngine(model, walk=_walk_settings(args), l3=store)
+    model.ffn.load_walk_sessions()         # the first request per layer would otherwise build its sessions
+    handle = start_server(engine, args.host, args.port, token)
+    print(f"serving {model.name} on {handle.url} (L3: {store.status()['where'] if store else 'off'}); "
+          "Ctrl-C stops", flush=True)
+    try:
+        handle.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+        if store is not None:
+            store.close()
+    return 0
+
+
 def cmd_gui(args) -> int:
     if args.self_test:
         return cmd_self_test(args)
@@ -317,6 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
     selftest = sub.add_parser("self-test", help="same as --self-test")
     common(selftest)
     selftest.set_defaults(func=cmd_self_test)
+
+    serve = sub.add_parser("serve", help="the local HTTP API (walk FFN, cache stats, patches) without the app")
+    common(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
+    serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    serve.add_argument("--token", default=None,
+                       help="bearer token every request must carry (default $LARQL_DESKTOP_API_TOKEN)")
+    serve.add_argument("--top-k", type=int, default=None, help="default K (default 79%% of the FFN width)")
+    serve.add_argument("--l3", default="sqlite",
+                       help="persistent tier: sqlite (default, in the user cache dir), sqlite:PATH, "
+                            "redis://HOST:PORT/DB[#PREFIX] or off")
+    serve.add_argument("--l3-fp16", action="store_true", help="store L3 values as fp16 (half the bytes)")
+    serve.add_argument("--l3-max-mb", type=int, default=512, help="L3 size cap in MiB (default 512)")
+    serve.set_defaults(func=cmd_serve)
     parser.set_defaults(func=cmd_gui)
     return parser
 

@@ -2,23 +2,40 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from .ffn_cache import CacheStats, CacheTier, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
 from .insert import Fact, Inserter, InsertResult, Progress
+from .l3 import L3Settings, L3Store
 from .patches import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
 from .runtime import LoadedModel
 from .session import ChatSession
 
 
+class _L3View:
+    """The L3 store seen as a tier of this model (its occupancy per layer) for the statistics snapshot."""
+
+    def __init__(self, store: L3Store, n_layers: int):
+        self.store, self.n_layers = store, n_layers
+
+    def occupancy(self):
+        return self.store.occupancy(self.n_layers)
+
+
 class LarqlEngine:
     """Owns the process-wide L2 tier; each session gets its own L1 tier and stats, and all share L2.
+
+    An optional persistent L3 store (engine/l3.py) is consulted after L2 by every session and by the HTTP API;
+    the engine only uses it when given one (the app and `serve` open the default SQLite store in the user cache
+    dir), so library users and tests never write outside the directories they choose.
 
     Settings are immutable values; changing them rebinds every session's walk FFN (caches are kept,
     their keys carry K, key width and patch epoch so entries made under other settings are never served).
     """
 
     def __init__(self, model: LoadedModel, walk: WalkSettings = WalkSettings(),
-                 l1: TierSettings = TierSettings(), l2: TierSettings = TierSettings(), patches=None):
+                 l1: TierSettings = TierSettings(), l2: TierSettings = TierSettings(), patches=None,
+                 l3: L3Store | None = None):
         self.model = model
         n = model.config.n_layers
         walk.resolved(model.config.intermediate)      # refuse impossible settings up front
@@ -27,13 +44,24 @@ class LarqlEngine:
         self.l2 = CacheTier("L2", n, l2)
         self.stats = CacheStats(n)                    # process-wide: every session records here too
         self.patches = patches if patches is not None else PatchOverlay()
+        self.l3 = l3
         self.base_weights = BaseFeatureWeights(model.gguf)
         self.sessions: list[ChatSession] = []
         self._lock = threading.Lock()
 
     def _walk_for(self, l1: CacheTier, stats: CacheStats) -> WalkFfn:
         return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, self.walk_settings,
-                       l1, self.l2, (stats, self.stats), self.patches)
+                       l1, self.l2, (stats, self.stats), self.patches, l3=self.l3)
+
+    def request_walk(self, top_k: int | None = None) -> WalkFfn:
+        """A walk FFN for one API request: no L1, the shared L2 (and L3), this engine's patches and stats,
+        and the request's K (None: the engine's). Thread-safe to use alongside the sessions."""
+        walk = replace(self.walk_settings, dense=False)
+        if top_k is not None:
+            width = walk.key_width if walk.key_width is not None and walk.key_width <= top_k else None
+            walk = replace(walk, top_k=top_k, key_width=width)
+        return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, walk,
+                       None, self.l2, (self.stats,), self.patches, l3=self.l3)
 
     def new_session(self) -> ChatSession:
         n = self.model.config.n_layers
@@ -49,10 +77,14 @@ class LarqlEngine:
                 self.sessions.remove(session)
 
     def configure(self, walk: WalkSettings | None = None, l1: TierSettings | None = None,
-                  l2: TierSettings | None = None) -> None:
+                  l2: TierSettings | None = None, l3: L3Settings | None = None) -> None:
         if walk is not None:
             walk.resolved(self.model.config.intermediate)
+        if l3 is not None and l3.enabled and self.l3 is None:
+            raise ValueError("no L3 store is attached to the engine (attach_l3 first)")
         with self._lock:
+            if l3 is not None and self.l3 is not None:
+                self.l3.configure(l3)
             if walk is not None:
                 self.walk_settings = walk
             if l1 is not None:
@@ -61,6 +93,12 @@ class LarqlEngine:
                     s.l1.configure(l1)
             if l2 is not None:
                 self.l2.configure(l2)
+            self._rebind()
+
+    def attach_l3(self, store: L3Store | None) -> None:
+        """Use `store` as the persistent tier (None: no L3). The previous store is not closed."""
+        with self._lock:
+            self.l3 = store
             self._rebind()
 
     def set_patches(self, patches: PatchOverlay) -> None:
@@ -116,10 +154,13 @@ class LarqlEngine:
         for s in self.sessions:
             s.ffn = self._walk_for(s.l1, s.stats)
 
-    def clear_caches(self) -> None:
+    def clear_caches(self, persistent: bool = False) -> None:
+        """Empty L2 and every L1; with `persistent`, the L3 store too."""
         self.l2.clear()
         for s in list(self.sessions):
             s.l1.clear()
+        if persistent and self.l3 is not None:
+            self.l3.clear()
 
     def reset_stats(self) -> None:
         self.stats.reset()
@@ -130,10 +171,16 @@ class LarqlEngine:
         """Process-wide statistics: L1 summed over sessions, the shared L2, all bypasses and latencies."""
         with self._lock:
             l1_tiers = [s.l1 for s in self.sessions]
-        return self.stats.snapshot({"L1": l1_tiers, "L2": [self.l2]}, self._enabled())
+        return self.stats.snapshot({"L1": l1_tiers, "L2": [self.l2], "L3": self._l3_tiers()}, self._enabled())
 
     def session_snapshot(self, session: ChatSession) -> StatsSnapshot:
-        return session.stats.snapshot({"L1": [session.l1], "L2": [self.l2]}, self._enabled())
+        return session.stats.snapshot({"L1": [session.l1], "L2": [self.l2], "L3": self._l3_tiers()},
+                                      self._enabled())
+
+    def _l3_tiers(self) -> list:
+        store = self.l3
+        return [_L3View(store, self.model.config.n_layers)] if store is not None else []
 
     def _enabled(self) -> dict[str, bool]:
-        return {"L1": self.l1_settings.enabled, "L2": self.l2.settings.enabled}
+        return {"L1": self.l1_settings.enabled, "L2": self.l2.settings.enabled,
+                "L3": self.l3 is not None and self.l3.settings.enabled}

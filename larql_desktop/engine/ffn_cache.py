@@ -1,4 +1,4 @@
-"""LARQL's walk FFN and its FFN activation cache (L1 per session, L2 per process).
+"""LARQL's walk FFN and its FFN activation cache (L1 per session, L2 per process, optional persistent L3).
 
 Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate score|; the cache key is a
 64-bit hash of the sorted feature ids, so two residuals that select the same features share an entry. Only
@@ -10,7 +10,8 @@ Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's ow
     output computed under another model, K or patch state;
   * `lru` eviction and a byte budget besides the seed's `drop` policy; overwriting a key is never dropped;
   * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
-  * a verify mode that recomputes a fraction of hits and records the error a hit really carries.
+  * a verify mode that recomputes a fraction of hits and records the error a hit really carries;
+  * an optional L3 (engine/l3.py: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ FULL_K_NUM, FULL_K_DEN = 4, 5        # K >= 4/5 of the intermediate size -> dens
 POLICIES = ("drop", "lru")
 BYPASS_REASONS = ("prefill", "full_k", "patched", "cache_off")
 OUTCOMES = ("hit", "miss", "bypass", "dense")
-TIERS = ("L1", "L2")
+TIERS = ("L1", "L2", "L3")
 PATCH_MODES = ("bypass", "per_feature")
 
 
@@ -425,8 +426,14 @@ class WalkFfn:
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
                  l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
-                 patches: PatchOverlay | None = None, key_log: list | None = None):
+                 patches: PatchOverlay | None = None, key_log: list | None = None, l3=None):
         self.graphs = graphs
+        self.l3 = l3             # an l3.L3Store (persistent tier after L2) or None
+        # Outcome of the latest call ("hit", "miss", "bypass", "dense"), the tier that hit and the bypass reason:
+        # for callers that report per call (the HTTP API builds one WalkFfn per request).
+        self.last_outcome: str | None = None
+        self.last_tier: str | None = None
+        self.last_bypass: str | None = None
         self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
         self.settings = settings.resolved(intermediate)
@@ -444,6 +451,9 @@ class WalkFfn:
 
     def _record(self, layer, outcome, started, **kw):
         seconds = time.perf_counter() - started
+        self.last_outcome, self.last_bypass = outcome, kw.get("bypass")
+        results = kw.get("tier_results", ())
+        self.last_tier = results[-1][0] if outcome == "hit" and results else None
         for st in self.stats:
             st.record(layer, outcome, seconds, **kw)
 
@@ -502,12 +512,13 @@ class WalkFfn:
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
         tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
+        l3 = self.l3 if self.l3 is not None and self.l3.settings.enabled else None
         if x.shape[0] != 1:
             bypass = "prefill"
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
             bypass = "patched"
         else:
-            bypass = None if tiers else "cache_off"
+            bypass = None if tiers or l3 is not None else "cache_off"
         if bypass is not None:
             out = self._walk(layer, x, scores, mask, patched)
             self._record(layer, "bypass", started, bypass=bypass)
@@ -530,10 +541,26 @@ class WalkFfn:
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
                     self._verify(layer, x, scores, mask, entry)   # not part of the hit's latency
                 return entry.output[None, :].copy()
+        if l3 is not None:
+            # The persistent tier keeps one entry per key; the guard, if on, checks it like a bucket of one.
+            entry = l3.get(layer, key[0], key[1])
+            if entry is not None and tau is not None:
+                cos = float(entry.residual @ x0) / (float(np.linalg.norm(entry.residual) * np.linalg.norm(x0)) + 1e-30)
+                entry = entry if cos >= tau else None
+            results.append((l3.name, entry is not None))
+            if entry is not None:
+                for upper in tiers:               # an L3 hit fills L2 and L1
+                    upper.store(layer, key, entry, bucket)
+                self._record(layer, "hit", started, tier_results=tuple(results))
+                if s.verify_fraction and self._rng.random() < s.verify_fraction:
+                    self._verify(layer, x, scores, mask, entry)
+                return entry.output[None, :].copy()
         out = self._walk(layer, x, scores, mask, patched)
         entry = CacheEntry(_frozen(out[0]), _frozen(x0))
         for tier in tiers:
             tier.store(layer, key, entry, bucket)
+        if l3 is not None:
+            l3.put(layer, key[0], key[1], entry)
         self._record(layer, "miss", started, tier_results=tuple(results))
         return out
 

@@ -1,0 +1,585 @@
+"""L3: the persistent tier of the FFN activation cache, after L1 (per session) and L2 (per process).
+
+Two backends share one contract: `SqliteL3` (embedded, the default: a WAL database in the user cache dir) and
+`RedisL3` (the optional `redis` extra: several processes, or machines, share one store).
+
+Keys survive restarts because they carry everything an output depends on: the walk's namespace (model checksum,
+K, key width and the layer's patch epoch, a content hash of its overrides), the layer, the 64-bit feature key
+(blake2b, stable across processes), and the numerics that computed the value (this format's version and the
+onnxruntime version). A value is the raw FFN output and the input it was computed from, as fp32 or, optionally,
+fp16 (half the bytes; its error is measured in tests/test_l3.py). Both backends cap their size in bytes and
+evict the least recently used entries.
+
+The store is an optimisation and never breaks inference: a corrupt, locked or unreachable store is detected,
+logged once per kind of problem, and then rebuilt (a corrupt SQLite file is moved aside) or skipped for a while;
+a lookup that fails is a miss and a write that fails is dropped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .ffn_cache import CacheEntry
+
+log = logging.getLogger(__name__)
+
+L3_FORMAT = 1
+DTYPES = ("float32", "float16")
+FP16_MAX = 65504.0
+_HEADER = struct.Struct("<2sBBI")     # magic, format, dtype code (0 fp32, 1 fp16), vector length
+_MAGIC = b"L3"
+RETRY_AFTER = 5.0                     # seconds a failing backend is skipped before it is tried again
+LOCKED_RETRY = 1.0                    # seconds a locked SQLite file is skipped
+
+
+def _ort_version() -> str:
+    try:
+        import onnxruntime
+        return onnxruntime.__version__
+    except ImportError:       # pragma: no cover - onnxruntime is a dependency
+        return "none"
+
+
+@dataclass(frozen=True)
+class L3Settings:
+    enabled: bool = True
+    max_bytes: int = 512 * 1024 * 1024       # total size cap; least recently used entries are evicted
+    dtype: str = "float32"                   # "float16" halves the bytes at a measured rounding error
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"L3 storage type must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if not 4096 <= self.max_bytes <= 1 << 44:
+            raise ValueError(f"L3 size cap must be between 4 KiB and 16 TiB, not {self.max_bytes} bytes")
+
+
+def encode_entry(entry: CacheEntry, dtype: str) -> bytes:
+    """Header + output + residual. fp16 is used only where every value fits (else that entry stays fp32)."""
+    out, res = entry.output, entry.residual
+    code = 0
+    if dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX:
+        code = 1
+    kind = "<f2" if code else "<f4"
+    return (_HEADER.pack(_MAGIC, L3_FORMAT, code, out.size) + np.ascontiguousarray(out, kind).tobytes()
+            + np.ascontiguousarray(res, kind).tobytes())
+
+
+def decode_entry(blob: bytes) -> CacheEntry | None:
+    """The entry, or None when the blob is not a well-formed value of this format."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < _HEADER.size:
+        return None
+    magic, fmt, code, d = _HEADER.unpack_from(blob)
+    width = 2 if code == 1 else 4
+    if magic != _MAGIC or fmt != L3_FORMAT or code not in (0, 1) or len(blob) != _HEADER.size + 2 * d * width:
+        return None
+    kind = "<f2" if code else "<f4"
+    out = np.frombuffer(blob, kind, d, _HEADER.size).astype(np.float32)
+    res = np.frombuffer(blob, kind, d, _HEADER.size + d * width).astype(np.float32)
+    out.flags.writeable = False
+    res.flags.writeable = False
+    return CacheEntry(out, res)
+
+
+def namespace_id(namespace: tuple) -> int:
+    """Signed 64-bit id of a walk namespace plus the numerics that computed its values."""
+    text = json.dumps([L3_FORMAT, _ort_version(), *[str(p) for p in namespace]])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _signed(key: int) -> int:
+    key &= (1 << 64) - 1
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+class L3Store:
+    """The tier's contract: get/put by (layer, namespace, feature key); never raises on a backend failure."""
+
+    name = "L3"
+    backend = "none"
+
+    def __init__(self, settings: L3Settings):
+        self.settings = settings
+        self._reported: set[str] = set()
+        self.errors: dict[str, int] = {}
+        self._skip_until = 0.0
+        self._state_lock = threading.Lock()
+
+    # -- reporting -----------------------------------------------------------------------------------------
+    def _report(self, kind: str, exc: BaseException, action: str) -> None:
+        with self._state_lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+            first = kind not in self._reported
+            self._reported.add(kind)
+        if first:
+            log.warning("L3 cache (%s %s): %s: %s; %s", self.backend, self.where, kind, exc, action)
+
+    def _skip(self, seconds: float = RETRY_AFTER) -> None:
+        self._skip_until = time.monotonic() + seconds
+
+    def _available(self) -> bool:
+        return self.settings.enabled and time.monotonic() >= self._skip_until
+
+    @property
+    def where(self) -> str:
+        return ""
+
+    def configure(self, settings: L3Settings) -> None:
+        self.settings = settings
+
+    def status(self) -> dict:
+        return {"backend": self.backend, "where": self.where, "enabled": self.settings.enabled,
+                "dtype": self.settings.dtype, "max_bytes": self.settings.max_bytes, "errors": dict(self.errors),
+                "skipping": time.monotonic() < self._skip_until}
+
+    # -- the contract ----------------------------------------------------------------------------------------
+    def get(self, layer: int, namespace: tuple, key: int) -> CacheEntry | None:
+        if not self._available():
+            return None
+        return self._get(layer, namespace_id(namespace), _signed(key))
+
+    def put(self, layer: int, namespace: tuple, key: int, entry: CacheEntry) -> bool:
+        if not self._available():
+            return False
+        return self._put(layer, namespace_id(namespace), _signed(key), encode_entry(entry, self.settings.dtype))
+
+    def occupancy(self, n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, entries, bytes, evictions, dropped) per layer over the whole store (every model in it)."""
+        z = [np.zeros(n_layers, np.int64) for _ in range(5)]
+        return tuple(z)
+
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+    def _get(self, layer: int, ns: int, key: int) -> CacheEntry | None: ...
+    def _put(self, layer: int, ns: int, key: int, blob: bytes) -> bool: ...
+
+
+# ----------------------------------------------------------------------------------------------- SQLite
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS entries (
+    ns INTEGER NOT NULL, layer INTEGER NOT NULL, key INTEGER NOT NULL,
+    value BLOB NOT NULL, nbytes INTEGER NOT NULL, last_used INTEGER NOT NULL,
+    PRIMARY KEY (ns, layer, key));
+CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
+CREATE INDEX IF NOT EXISTS entries_layer ON entries (layer, nbytes);
+"""
+SCHEMA_VERSION = "1"
+
+
+class SqliteL3(L3Store):
+    """L3 in one SQLite file (WAL). Thread-safe; several processes may open the same file."""
+
+    backend = "sqlite"
+    TOUCH_BATCH = 64        # recency updates of hits are written in batches, not on every read
+    RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
+    OCCUPANCY_EVERY = 2.0   # seconds between recounting per-layer occupancy (kept up to date in between)
+
+    def __init__(self, path: str | Path, settings: L3Settings = L3Settings(), timeout: float = 0.1):
+        super().__init__(settings)
+        self.path = Path(path)
+        self.timeout = timeout
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
+        self._touched: dict[tuple[int, int, int], int] = {}
+        self._bytes = 0
+        self._puts = 0
+        self._evictions: dict[int, int] = {}
+        # Per-layer [entries, bytes], counted from the file at most every OCCUPANCY_EVERY seconds and updated
+        # by this process's writes in between, so a statistics poll does not scan the table each time.
+        self._occ: dict[int, list[int]] | None = None
+        self._occ_time = 0.0
+        with self._lock:
+            self._open()
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(_SCHEMA)
+            row = conn.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+            if row is None:
+                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"schema version {row[0]!r}, this app writes {SCHEMA_VERSION}")
+            self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _open(self) -> None:
+        try:
+            self._conn = self._connect()
+        except sqlite3.Error as exc:
+            self._conn = None
+            self._failed(exc)
+        except OSError as exc:
+            self._conn = None
+            self._report("unavailable", exc, f"skipped for {RETRY_AFTER:.0f} s")
+            self._skip()
+
+    def _rebuild(self, exc: BaseException) -> None:
+        """Move a corrupt database aside and start an empty one; if even that fails, run without L3."""
+        self._report("corrupt", exc, f"moved aside to {self.path.name}.corrupt and rebuilt")
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+        try:
+            for suffix in ("", "-wal", "-shm"):
+                p = Path(f"{self.path}{suffix}")
+                if p.exists():
+                    os.replace(p, f"{self.path}.corrupt{suffix}")
+            self._conn = self._connect()
+            self._touched.clear()
+            self._occ = None
+        except (sqlite3.Error, OSError) as again:
+            self._report("unrecoverable", again, "the persistent cache is off for this run")
+            self._conn = None
+            self._skip(float("inf"))
+
+    def _failed(self, exc: sqlite3.Error) -> None:
+        """Locked: skip a moment. Other operational errors (no such file, disk full): skip a while. Corruption
+        (SQLITE_CORRUPT / NOTADB raise DatabaseError proper): move the file aside and rebuild."""
+        if isinstance(exc, sqlite3.OperationalError) or not isinstance(exc, sqlite3.DatabaseError):
+            if _is_locked(exc):
+                self._report("locked", exc, "lookups and writes are skipped while it is locked")
+                self._skip(LOCKED_RETRY)
+            else:
+                self._report("error", exc, f"skipped for {RETRY_AFTER:.0f} s")
+                self._skip()
+        else:
+            self._rebuild(exc)
+
+    def _conn_or_none(self) -> sqlite3.Connection | None:
+        if self._conn is None and self._available():
+            self._open()
+        return self._conn
+
+    def _get(self, layer, ns, key):
+        with self._lock:
+            conn = self._conn_or_none()
+            if conn is None:
+                return None
+            try:
+                row = conn.execute("SELECT value FROM entries WHERE ns=? AND layer=? AND key=?",
+                                   (ns, layer, key)).fetchone()
+            except sqlite3.Error as exc:
+                self._failed(exc)
+                return None
+            if row is None:
+                return None
+            entry = decode_entry(row[0])
+            if entry is None:
+                self._report("bad value", ValueError("an entry is not a value of this format"), "treated as a miss")
+                return None
+            self._touched[(ns, layer, key)] = time.time_ns()
+            if len(self._touched) >= self.TOUCH_BATCH:
+                self._flush_touches(conn)
+            return entry
+
+    def _flush_touches(self, conn) -> None:
+        if not self._touched:
+            return
+        rows = [(t, ns, layer, key) for (ns, layer, key), t in self._touched.items()]
+        self._touched.clear()
+        try:
+            conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?", rows)
+        except sqlite3.Error as exc:
+            self._failed(exc)
+
+    def _put(self, layer, ns, key, blob):
+        with self._lock:
+            conn = self._conn_or_none()
+            if conn is None:
+                return False
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    old = conn.execute("SELECT nbytes FROM entries WHERE ns=? AND layer=? AND key=?",
+                                       (ns, layer, key)).fetchone()
+                    conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+                                 (ns, layer, key, blob, len(blob), time.time_ns()))
+                    self._bytes += len(blob) - (old[0] if old else 0)
+                    self._count(layer, 0 if old else 1, len(blob) - (old[0] if old else 0))
+                    self._puts += 1
+                    if self._puts % self.RESYNC_EVERY == 0:
+                        self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+                    if self._bytes > self.settings.max_bytes:
+                        self._evict(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                self._failed(exc)
+                return False
+            self._flush_touches(conn)
+            return True
+
+    def _evict(self, conn) -> None:
+        """Delete least recently used entries down to 90% of the cap (hits' recency is flushed first)."""
+        if self._touched:
+            rows = [(t, ns, layer, key) for (ns, layer, key), t in self._touched.items()]
+            self._touched.clear()
+            conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?", rows)
+        self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+        target = int(self.settings.max_bytes * 0.9)
+        while self._bytes > target:
+            victims = conn.execute("SELECT rowid, layer, nbytes FROM entries ORDER BY last_used LIMIT 256").fetchall()
+            if not victims:
+                break
+            chosen = []
+            for rowid, layer, nbytes in victims:
+                chosen.append(rowid)
+                self._bytes -= nbytes
+                self._count(layer, -1, -nbytes)
+                self._evictions[layer] = self._evictions.get(layer, 0) + 1
+                if self._bytes <= target:
+                    break
+            conn.execute(f"DELETE FROM entries WHERE rowid IN ({','.join('?' * len(chosen))})", chosen)
+
+    def _count(self, layer: int, entries: int, nbytes: int) -> None:
+        if self._occ is not None:
+            counts = self._occ.setdefault(layer, [0, 0])
+            counts[0] += entries
+            counts[1] += nbytes
+
+    def occupancy(self, n_layers):
+        keys, entries, nbytes, evictions, dropped = super().occupancy(n_layers)
+        with self._lock:
+            for layer, count in self._evictions.items():
+                if 0 <= layer < n_layers:
+                    evictions[layer] = count
+            conn = self._conn_or_none()
+            if conn is None:
+                return keys, entries, nbytes, evictions, dropped
+            if self._occ is None or time.monotonic() - self._occ_time > self.OCCUPANCY_EVERY:
+                try:
+                    rows = conn.execute("SELECT layer, COUNT(*), SUM(nbytes) FROM entries GROUP BY layer").fetchall()
+                except sqlite3.Error as exc:
+                    self._failed(exc)
+                    return keys, entries, nbytes, evictions, dropped
+                self._occ = {layer: [count, total] for layer, count, total in rows}
+                self._occ_time = time.monotonic()
+            for layer, (count, total) in self._occ.items():
+                if 0 <= layer < n_layers:
+                    keys[layer] = entries[layer] = count
+                    nbytes[layer] = total
+        return keys, entries, nbytes, evictions, dropped
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            conn = self._conn_or_none()
+            if conn is None:
+                return 0
+            return int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+
+    def clear(self) -> None:
+        with self._lock:
+            conn = self._conn_or_none()
+            if conn is None:
+                return
+            try:
+                conn.execute("DELETE FROM entries")
+                self._bytes = 0
+                self._occ = None
+                self._touched.clear()
+            except sqlite3.Error as exc:
+                self._failed(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._flush_touches(self._conn)
+                    self._conn.close()
+                except sqlite3.Error:
+                    pass
+                self._conn = None
+
+
+def _is_locked(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+# ----------------------------------------------------------------------------------------------- Redis
+_REDIS_GET = """
+local v = redis.call('GET', KEYS[1])
+if v then
+  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), KEYS[1])
+end
+return v
+"""
+
+_REDIS_PUT = """
+local n = string.len(ARGV[1])
+local old = redis.call('STRLEN', KEYS[1])
+local layer = ARGV[2]
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[3]), KEYS[1])
+if old == 0 then redis.call('HINCRBY', KEYS[4], 'e' .. layer, 1) end
+redis.call('HINCRBY', KEYS[4], 'b' .. layer, n - old)
+local total = redis.call('HINCRBY', KEYS[4], 'total', n - old)
+local cap = tonumber(ARGV[3])
+local evicted = 0
+while total > cap do
+  local victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not victim then break end
+  local vl = string.match(victim, ':v:(%d+):')
+  local size = redis.call('STRLEN', victim)
+  redis.call('DEL', victim)
+  redis.call('ZREM', KEYS[2], victim)
+  if vl then
+    redis.call('HINCRBY', KEYS[4], 'e' .. vl, -1)
+    redis.call('HINCRBY', KEYS[4], 'b' .. vl, -size)
+    redis.call('HINCRBY', KEYS[4], 'x' .. vl, 1)
+  end
+  total = redis.call('HINCRBY', KEYS[4], 'total', -size)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+
+class RedisL3(L3Store):
+    """L3 on a Redis server: every process using the same URL and prefix shares the entries.
+
+    Values are plain strings; a sorted set orders them by last use (a shared counter, so recency is global) and
+    a hash keeps per-layer entry and byte counts. The write and its evictions run as one Lua script (atomic).
+    """
+
+    backend = "redis"
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "larql:l3",
+                 settings: L3Settings = L3Settings(), timeout: float = 0.25, client=None):
+        super().__init__(settings)
+        import redis   # the optional `redis` extra
+
+        self._redis = redis
+        self.url = url
+        self.prefix = prefix
+        self.client = client if client is not None else redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30)
+        self._get_script = self.client.register_script(_REDIS_GET)
+        self._put_script = self.client.register_script(_REDIS_PUT)
+        self._lru, self._clock, self._stats = (f"{prefix}:lru", f"{prefix}:clock", f"{prefix}:stats")
+
+    @property
+    def where(self) -> str:
+        return f"{self.url} {self.prefix}"
+
+    def _key(self, layer: int, ns: int, key: int) -> str:
+        return f"{self.prefix}:v:{layer}:{ns & 0xFFFFFFFFFFFFFFFF:016x}:{key & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    def _failed(self, exc: Exception) -> None:
+        r = self._redis.exceptions
+        if isinstance(exc, (r.ConnectionError, r.TimeoutError)):
+            self._report("unreachable", exc, f"skipped, retried every {RETRY_AFTER:.0f} s")
+        else:
+            self._report("error", exc, f"skipped for {RETRY_AFTER:.0f} s")
+        self._skip()
+
+    def _get(self, layer, ns, key):
+        try:
+            blob = self._get_script(keys=[self._key(layer, ns, key), self._lru, self._clock])
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
+            return None
+        if blob is None:
+            return None
+        entry = decode_entry(blob)
+        if entry is None:
+            self._report("bad value", ValueError("an entry is not a value of this format"), "treated as a miss")
+        return entry
+
+    def _put(self, layer, ns, key, blob):
+        try:
+            self._put_script(keys=[self._key(layer, ns, key), self._lru, self._clock, self._stats],
+                             args=[blob, layer, self.settings.max_bytes])
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
+            return False
+        return True
+
+    def occupancy(self, n_layers):
+        keys, entries, nbytes, evictions, dropped = super().occupancy(n_layers)
+        if not self.settings.enabled or time.monotonic() < self._skip_until:
+            return keys, entries, nbytes, evictions, dropped
+        try:
+            stats = self.client.hgetall(self._stats)
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
+            return keys, entries, nbytes, evictions, dropped
+        for field, value in stats.items():
+            field = field.decode() if isinstance(field, bytes) else field
+            if field[:1] in ("e", "b", "x") and field[1:].isdigit() and int(field[1:]) < n_layers:
+                {"e": entries, "b": nbytes, "x": evictions}[field[0]][int(field[1:])] = int(value)
+        keys[:] = entries
+        return keys, entries, nbytes, evictions, dropped
+
+    def total_bytes(self) -> int:
+        try:
+            return int(self.client.hget(self._stats, "total") or 0)
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
+            return 0
+
+    def clear(self) -> None:
+        try:
+            doomed = list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000))
+            for i in range(0, len(doomed), 1000):
+                self.client.delete(*doomed[i:i + 1000])
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._redis.exceptions.RedisError:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------- opening
+def default_l3_path(paths) -> Path:
+    """Where the default L3 lives: the user cache dir (under LARQL_DESKTOP_HOME when that is set)."""
+    return Path(paths.cache) / "l3" / "ffn-cache.sqlite3"
+
+
+def open_l3(spec: str, paths, settings: L3Settings = L3Settings()) -> L3Store | None:
+    """`sqlite` (the default file), `sqlite:PATH`, `redis://HOST:PORT/DB` (optionally `#PREFIX`) or `off`."""
+    spec = spec.strip()
+    if spec == "off":
+        return None
+    if spec == "sqlite":
+        return SqliteL3(default_l3_path(paths), settings)
+    if spec.startswith("sqlite:"):
+        return SqliteL3(Path(spec[len("sqlite:"):]).expanduser(), settings)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        url, _, prefix = spec.partition("#")
+        try:
+            return RedisL3(url, prefix or "larql:l3", settings)
+        except ImportError as exc:
+            raise ValueError("the Redis L3 needs the optional 'redis' package "
+                             "(pip install 'larql-desktop[redis]')") from exc
+    raise ValueError(f"unknown L3 store {spec!r}: use sqlite, sqlite:PATH, redis://HOST:PORT/DB or off")

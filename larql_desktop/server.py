@@ -1,0 +1,425 @@
+"""Local HTTP API over a running LarqlEngine (FastAPI on uvicorn), for `larql-desktop serve` and the app.
+
+Routes (an OpenAPI description is served at /openapi.json):
+  POST   /v1/walk-ffn       one layer's walk FFN on a given normed FFN input, through the shared L2 (and L3)
+  GET    /v1/cache-stats    the engine's statistics snapshot: per tier, per layer
+  GET    /v1/model          what is loaded (sizes, default K, checksum)
+  GET    /v1/patches        applied INSERT patches;  POST /v1/patches applies one (the body is the patch JSON)
+  DELETE /v1/patches/{i}    removes one;            POST /v1/insert installs a fact
+  GET    /v1/health
+
+Security: the server binds to loopback unless a token is given, and with a token every request needs
+`Authorization: Bearer <token>`. On loopback the Host header must name loopback too (no DNS rebinding), POST
+bodies must be JSON (so a web page cannot send a CORS-free "simple" request) and are capped in size. Every
+malformed request gets a 4xx with a reason in `detail` before anything is run or changed.
+
+Concurrency: walk requests run in uvicorn's thread pool, each with its own WalkFfn (no L1) over the shared,
+locked L2 and the thread-safe L3 and statistics; onnxruntime sessions take concurrent runs. Patch changes are
+serialised by a lock and swap the engine's immutable overlay, so a walk in flight sees one overlay throughout.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+import numpy as np
+from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine.engine import LarqlEngine
+from .engine.ffn_cache import is_full_k, select_features
+from .engine.insert import Fact
+from .engine.patches import PatchError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+DEFAULT_MAX_BODY = 8 * 1024 * 1024       # patch files carry base64 vectors; a residual is a few tens of KB
+MAX_POSITIONS = 256
+API_VERSION = "1"
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------- schemas
+class WalkFfnRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    layer: int = Field(description="layer index, 0-based")
+    residual: Union[list[float], list[list[float]]] = Field(
+        description="the normed FFN input: one vector of the hidden size, or a list of them (several positions "
+                    "run as a prefill: computed, never cached)")
+    top_k: int | None = Field(default=None, description="features selected by |gate score| (default: the engine's)")
+    full_output: bool = Field(default=True, description="true: the FFN output; false: the selected features "
+                                                        "and their gate scores only")
+
+
+class WalkFfnResponse(BaseModel):
+    layer: int
+    top_k: int
+    positions: int
+    cache: Literal["hit", "miss", "bypass", "dense", "none"] = Field(
+        description="hit/miss: the call consulted the cache; bypass: prefill, patched layer or cache off; "
+                    "dense: K is at or above the full-K cut; none: features only, no FFN was run")
+    hit: bool
+    tier: str | None = Field(default=None, description="the tier that hit (L2 or L3)")
+    bypass_reason: str | None = None
+    output: list[float] | list[list[float]] | None = Field(default=None, description="the raw FFN output")
+    features: list[int] | list[list[int]] | None = Field(default=None, description="by decreasing |score|")
+    scores: list[float] | list[list[float]] | None = Field(default=None, description="signed gate scores")
+    seconds: float
+
+
+class InsertRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    entity: str = Field(min_length=1, max_length=200)
+    relation: str = Field(min_length=1, max_length=200)
+    target: str = Field(min_length=1, max_length=200)
+    layer: int | None = None
+    alpha: float = Field(default=0.1, gt=0.0, le=100.0)
+
+
+class PatchInfo(BaseModel):
+    index: int
+    name: str
+    description: str
+    base_model: str
+    created_at: str
+    operations: int
+    layers: list[int]
+
+
+class PatchList(BaseModel):
+    epoch: str = Field(description="content hash of the applied overrides ('clean' without any)")
+    patches: list[PatchInfo]
+
+
+class InsertResponse(BaseModel):
+    layer: int
+    feature: int
+    probability: float
+    rounds: int
+    patches: PatchList
+
+
+class Problem(BaseModel):
+    detail: str
+
+
+ERRORS = {400: {"model": Problem}, 401: {"model": Problem}, 413: {"model": Problem}, 415: {"model": Problem},
+          422: {"model": Problem}}
+
+
+def _finite(value):
+    """JSON has no NaN: statistics that are undefined (no fidelity checks yet) become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- guard
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: bearer token, Host check on loopback, JSON-only bodies, body size cap."""
+
+    def __init__(self, app, token: str | None, max_body: int, loopback_hosts: bool):
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body = max_body
+        self.loopback_hosts = loopback_hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        problem = self._check(scope, headers)
+        if problem is not None:
+            return await self._refuse(send, *problem)
+        received = 0
+
+        async def capped_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    # FastAPI passes an HTTPException raised while reading the body on to its handler (any
+                    # other exception there becomes a 400); _BodyTooLarge covers routes outside FastAPI.
+                    raise HTTPException(413, f"request body exceeds {self.max_body} bytes")
+            return message
+
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, tracking_send)
+        except (_BodyTooLarge, HTTPException):
+            if not started:
+                await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes")
+
+    def _check(self, scope, headers):
+        if self.loopback_hosts:
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if not is_loopback(name):
+                return 400, f"Host {host!r} is not a loopback name (this server only answers local requests)", {}
+        if self.token is not None:
+            auth = headers.get("authorization", "")
+            scheme, _, given = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token):
+                return 401, "missing or wrong bearer token", {"www-authenticate": "Bearer"}
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return 400, "invalid Content-Length", {}
+            if int(length) > self.max_body:
+                return 413, f"request body exceeds {self.max_body} bytes", {}
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                return 415, "the request body must be JSON (Content-Type: application/json)", {}
+        return None
+
+    @staticmethod
+    async def _refuse(send, status, detail, extra=None):
+        body = JSONResponse({"detail": detail}).body
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ----------------------------------------------------------------------------------------------- app
+def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
+               loopback_hosts: bool = True) -> FastAPI:
+    cfg = engine.model.config
+    mutate = threading.Lock()
+    app = FastAPI(title="larql-desktop local API", version=API_VERSION,
+                  description="LARQL's walk FFN and its FFN activation cache over a model loaded in larql-desktop.")
+    app.add_middleware(Guard, token=token, max_body=max_body, loopback_hosts=loopback_hosts)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return JSONResponse({"detail": "the body is not valid JSON"}, status_code=400)
+        parts = []
+        for e in errors[:5]:
+            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+        return JSONResponse({"detail": "; ".join(parts)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    def refuse(reason: str, status: int = 422):
+        raise HTTPException(status_code=status, detail=reason)
+
+    def patch_list() -> PatchList:
+        overlay = engine.patches
+        return PatchList(epoch=overlay.epoch, patches=[
+            PatchInfo(index=i, name=p.name, description=p.description, base_model=p.base_model,
+                      created_at=p.created_at, operations=len(p.operations), layers=p.layers)
+            for i, p in enumerate(overlay.patches)])
+
+    @app.get("/v1/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/model")
+    def model_info() -> dict:
+        walk = engine.walk_settings.resolved(cfg.intermediate)
+        return {"name": engine.model.name, "checksum": engine.model.checksum, "architecture": cfg.arch,
+                "n_layers": cfg.n_layers, "hidden": cfg.hidden, "intermediate": cfg.intermediate,
+                "default_top_k": walk.top_k, "key_width": walk.key_width,
+                "l3": engine.l3.status() if engine.l3 is not None else None}
+
+    @app.post("/v1/walk-ffn", response_model=WalkFfnResponse, responses=ERRORS)
+    def walk_ffn(req: WalkFfnRequest) -> dict:
+        if not 0 <= req.layer < cfg.n_layers:
+            refuse(f"layer {req.layer} is out of range 0..{cfg.n_layers - 1}")
+        top_k = engine.walk_settings.resolved(cfg.intermediate).top_k if req.top_k is None else req.top_k
+        if not 1 <= top_k <= cfg.intermediate:
+            refuse(f"top_k {top_k} is out of range 1..{cfg.intermediate}")
+        single = not req.residual or not isinstance(req.residual[0], list)
+        rows = [req.residual] if single else req.residual
+        if not rows or len(rows) > MAX_POSITIONS:
+            refuse(f"residual must hold 1..{MAX_POSITIONS} positions, not {len(rows)}")
+        for i, row in enumerate(rows):
+            if len(row) != cfg.hidden:
+                where = "residual" if single else f"residual[{i}]"
+                refuse(f"{where} has {len(row)} values, the model's hidden size is {cfg.hidden}")
+        with np.errstate(over="ignore"):
+            x = np.asarray(rows, dtype=np.float32)
+        if not np.isfinite(x).all():
+            refuse("residual contains NaN or infinity (or a value beyond float32)")
+        started = time.perf_counter()
+        if not req.full_output:
+            scores = engine.model.ffn.gate_scores(req.layer, x)
+            feats, vals = [], []
+            for t in range(scores.shape[0]):
+                chosen = select_features(scores[t], min(top_k, cfg.intermediate))
+                chosen = chosen[np.argsort(-np.abs(scores[t, chosen]), kind="stable")]
+                feats.append(chosen.tolist())
+                vals.append(scores[t, chosen].tolist())
+            return {"layer": req.layer, "top_k": top_k, "positions": len(rows), "cache": "none", "hit": False,
+                    "features": feats[0] if single else feats, "scores": vals[0] if single else vals,
+                    "seconds": time.perf_counter() - started}
+        walk = engine.request_walk(top_k)
+        out = walk(req.layer, x)
+        outcome = walk.last_outcome
+        output = out[0].tolist() if single else out.tolist()
+        return {"layer": req.layer, "top_k": top_k, "positions": len(rows), "cache": outcome,
+                "hit": outcome == "hit", "tier": walk.last_tier, "bypass_reason": walk.last_bypass,
+                "output": output, "seconds": time.perf_counter() - started}
+
+    @app.get("/v1/cache-stats")
+    def cache_stats() -> dict:
+        doc = engine.snapshot().to_dict()
+        doc["full_k"] = is_full_k(engine.walk_settings.resolved(cfg.intermediate).top_k, cfg.intermediate)
+        doc["l3"] = engine.l3.status() if engine.l3 is not None else None
+        return _finite(doc)
+
+    @app.get("/v1/patches", response_model=PatchList)
+    def list_patches():
+        return patch_list()
+
+    @app.post("/v1/patches", response_model=PatchList, status_code=201, responses=ERRORS)
+    def apply_patch(doc: dict[str, Any] = Body(description="a patch file's JSON (.vlp)")):
+        try:
+            patch = engine.validate_patch(doc, source="patch")
+        except PatchError as exc:
+            refuse(str(exc))
+        with mutate:
+            try:
+                engine.apply_patch(patch)
+            except (PatchError, ValueError) as exc:
+                refuse(str(exc))
+        return patch_list()
+
+    @app.delete("/v1/patches/{index}", response_model=PatchList, responses={404: {"model": Problem}})
+    def remove_patch(index: int):
+        with mutate:
+            if not 0 <= index < len(engine.applied_patches):
+                refuse(f"no applied patch number {index}", 404)
+            engine.remove_patch(index)
+        return patch_list()
+
+    @app.post("/v1/insert", response_model=InsertResponse, responses=ERRORS)
+    def insert(req: InsertRequest):
+        if req.layer is not None and not 0 <= req.layer < cfg.n_layers:
+            refuse(f"layer {req.layer} is out of range 0..{cfg.n_layers - 1}")
+        try:
+            fact = Fact(req.entity, req.relation, req.target)
+        except ValueError as exc:
+            refuse(str(exc))
+        with mutate:
+            try:
+                result = engine.insert(fact, layer=req.layer, alpha=req.alpha)
+            except ValueError as exc:
+                refuse(str(exc))
+        return InsertResponse(layer=result.layer, feature=result.feature, probability=result.probability,
+                              rounds=result.rounds, patches=patch_list())
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------- running
+@dataclass
+class ServerHandle:
+    """A server running in a background thread. `url` is where it answers; `stop()` shuts it down."""
+    url: str
+    host: str
+    port: int
+    server: Any
+    thread: threading.Thread
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def wait(self, poll: float = 0.5) -> None:
+        while self.thread.is_alive():
+            self.thread.join(poll)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive() and self.server.started
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise ValueError(f"cannot resolve {host!r}")
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
+                 *, max_body: int = DEFAULT_MAX_BODY, limit_concurrency: int = 64,
+                 startup_timeout: float = 15.0) -> ServerHandle:
+    """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
+
+    A host other than loopback needs a token. Raises OSError when the address cannot be bound."""
+    import uvicorn
+
+    if not is_loopback(host) and not token:
+        raise ValueError(f"binding to {host} (not loopback) needs a token: clients then send "
+                         "'Authorization: Bearer <token>'")
+    if token is not None and len(token) < 16:
+        raise ValueError("the token must be at least 16 characters")
+    app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host))
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http="h11",
+                            limit_concurrency=limit_concurrency, timeout_graceful_shutdown=3,
+                            server_header=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="larql-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.01)
+    url_host = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
+    return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread)

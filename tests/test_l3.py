@@ -1,0 +1,376 @@
+"""L3, the persistent tier: one contract run against SQLite and a real redis-server, failures that never break
+inference, and restarts that serve bit-identical outputs on a real model."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from larql_desktop.engine.engine import LarqlEngine
+from larql_desktop.engine.ffn_cache import CacheEntry, TierSettings, WalkSettings
+from larql_desktop.engine.l3 import (FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry, default_l3_path,
+                                     encode_entry, open_l3)
+from test_ffn_cache import run_sequence
+
+NS = ("checksum", 100, 100, "clean")
+REDIS_SERVER = shutil.which("redis-server") or next(
+    (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None)
+
+
+def _entry(seed: int, d: int = 64, scale: float = 1.0) -> CacheEntry:
+    rng = np.random.default_rng(seed)
+    return CacheEntry(rng.standard_normal(d).astype(np.float32) * scale, rng.standard_normal(d).astype(np.float32))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server of our own on a free loopback port, with a temp dir and no persistence."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not found: install Debian's 'redis-server' package to run the Redis L3 tests")
+    import redis
+
+    workdir = tmp_path_factory.mktemp("redis")
+    for _ in range(3):
+        port = _free_port()
+        proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                                 "--save", "", "--appendonly", "no", "--daemonize", "no",
+                                 "--logfile", str(workdir / "redis.log")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        else:
+            proc.kill()
+            proc.wait()
+            continue
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return
+    pytest.fail(f"redis-server did not start; see {workdir / 'redis.log'}")
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def open_store(request, tmp_path):
+    """A factory of store objects that all reach the same place (a new object = a restarted process)."""
+    if request.param == "sqlite":
+        path = tmp_path / "l3.sqlite3"
+        made = []
+
+        def factory(settings=L3Settings()):
+            made.append(SqliteL3(path, settings))
+            return made[-1]
+        factory.spec = f"sqlite:{path}"
+    else:
+        url = request.getfixturevalue("redis_url")
+        prefix = f"test:{uuid.uuid4().hex[:8]}"
+        made = []
+
+        def factory(settings=L3Settings()):
+            made.append(RedisL3(url, prefix, settings))
+            return made[-1]
+        factory.spec = f"{url}#{prefix}"
+    factory.backend = request.param
+    yield factory
+    for store in made:
+        store.close()
+
+
+# ------------------------------------------------------------------------------------------- the contract
+def test_round_trip_is_bit_exact_and_keys_are_distinct(open_store):
+    store = open_store()
+    e = _entry(1)
+    big_key = (1 << 64) - 12345            # unsigned 64-bit keys map to the backends' signed integers
+    assert store.get(3, NS, big_key) is None
+    assert store.put(3, NS, big_key, e)
+    got = store.get(3, NS, big_key)
+    assert got is not None and np.array_equal(got.output, e.output) and np.array_equal(got.residual, e.residual)
+    assert got.output.dtype == np.float32 and not got.output.flags.writeable
+    assert store.get(4, NS, big_key) is None                          # other layer
+    assert store.get(3, NS[:3] + ("0123abcd",), big_key) is None      # other patch epoch
+    assert store.get(3, ("checksum", 99, 99, "clean"), big_key) is None   # other K / key width
+    assert store.get(3, NS, big_key - 1) is None
+
+
+def test_entries_survive_a_new_store_object(open_store):
+    first = open_store()
+    for k in range(20):
+        assert first.put(k % 5, NS, k, _entry(k))
+    first.close()
+    second = open_store()
+    for k in range(20):
+        got = second.get(k % 5, NS, k)
+        assert got is not None and np.array_equal(got.output, _entry(k).output)
+    keys, entries, nbytes, _, _ = second.occupancy(6)
+    assert entries.tolist() == [4, 4, 4, 4, 4, 0] and (keys == entries).all()
+    assert int(nbytes.sum()) == second.total_bytes() == 20 * len(encode_entry(_entry(0), "float32"))
+
+
+def test_fp16_halves_the_bytes_with_bounded_error_and_keeps_big_values_exact(open_store):
+    store = open_store(L3Settings(dtype="float16"))
+    e = _entry(7, d=576)
+    assert store.put(0, NS, 1, e)
+    got = store.get(0, NS, 1)
+    rel = np.abs(got.output - e.output) / np.maximum(np.abs(e.output), 1e-3)
+    assert rel.max() <= 2.0 ** -11 + 1e-6 and not np.array_equal(got.output, e.output)
+    assert len(encode_entry(e, "float16")) < 0.51 * len(encode_entry(e, "float32"))
+    huge = _entry(8, d=576, scale=FP16_MAX)          # beyond fp16's range: this entry is stored as fp32
+    assert store.put(0, NS, 2, huge)
+    assert np.array_equal(store.get(0, NS, 2).output, huge.output)
+
+
+def test_size_cap_evicts_least_recently_used(open_store):
+    blob = len(encode_entry(_entry(0), "float32"))          # 8 + 2 * 64 * 4 bytes
+    store = open_store(L3Settings(max_bytes=4096))
+    for k in range(6):
+        assert store.put(0, NS, k, _entry(k))
+    assert store.get(0, NS, 0) is not None                 # 0 becomes the most recently used
+    for k in range(6, 10):
+        assert store.put(0, NS, k, _entry(k))
+    assert store.total_bytes() <= 4096
+    assert store.get(0, NS, 0) is not None                 # kept: it was used
+    assert store.get(0, NS, 1) is None                     # evicted: the least recently used
+    assert store.get(0, NS, 9) is not None                 # the newest
+    _, entries, nbytes, evictions, _ = store.occupancy(1)
+    assert int(evictions[0]) >= 2 and int(nbytes[0]) == int(entries[0]) * blob <= 4096
+
+
+def test_clear_and_disable(open_store):
+    store = open_store()
+    store.put(0, NS, 1, _entry(1))
+    store.configure(L3Settings(enabled=False))
+    assert store.get(0, NS, 1) is None and not store.put(0, NS, 2, _entry(2))
+    store.configure(L3Settings())
+    assert store.get(0, NS, 1) is not None and store.get(0, NS, 2) is None
+    store.clear()
+    assert store.get(0, NS, 1) is None and store.total_bytes() == 0
+
+
+def test_threads_share_one_store(open_store):
+    store = open_store()
+    errors = []
+
+    def work(t):
+        try:
+            for k in range(50):
+                store.put(t, NS, k, _entry(k))
+                got = store.get(t, NS, k)
+                assert got is not None and np.array_equal(got.output, _entry(k).output)
+        except Exception as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.occupancy(4)[1].tolist() == [50, 50, 50, 50]
+
+
+def test_another_process_shares_the_entries(open_store, tmp_path):
+    store = open_store()
+    code = (
+        "import sys, numpy as np\n"
+        "from larql_desktop.engine.l3 import open_l3\n"
+        "from larql_desktop.engine.ffn_cache import CacheEntry\n"
+        "s = open_l3(sys.argv[1], None)\n"
+        "e = CacheEntry(np.full(64, 0.5, np.float32), np.ones(64, np.float32))\n"
+        "assert s.put(2, ('checksum', 100, 100, 'clean'), 42, e)\n"
+        "assert s.get(2, ('checksum', 100, 100, 'clean'), 7) is not None\n")
+    store.put(2, NS, 7, _entry(7))
+    subprocess.run([sys.executable, "-c", code, open_store.spec], check=True, timeout=60, cwd=tmp_path)
+    got = store.get(2, NS, 42)
+    assert got is not None and (got.output == 0.5).all()
+
+
+# ------------------------------------------------------------------------------------------- failures
+def _warnings(caplog):
+    return [r for r in caplog.records if r.name == "larql_desktop.engine.l3" and r.levelno == logging.WARNING]
+
+
+def test_a_corrupt_file_is_moved_aside_rebuilt_and_reported_once(tmp_path, caplog):
+    path = tmp_path / "l3.sqlite3"
+    path.write_bytes(b"not a database " * 1000)
+    with caplog.at_level(logging.WARNING):
+        store = SqliteL3(path)
+        assert store.put(0, NS, 1, _entry(1)) and store.get(0, NS, 1) is not None
+    assert (tmp_path / "l3.sqlite3.corrupt").read_bytes().startswith(b"not a database")
+    assert len(_warnings(caplog)) == 1 and "corrupt" in _warnings(caplog)[0].getMessage()
+    # Pages damaged behind the header are found when read, and rebuilt the same way.
+    for k in range(300):
+        store.put(k % 10, NS, k, _entry(k, d=256))
+    store.close()
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.seek(3 * 4096)
+        fh.write(np.random.default_rng(0).bytes(size - 3 * 4096))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = SqliteL3(path)
+        assert sum(again.get(k % 10, NS, k) is not None for k in range(300)) == 0
+        assert again.put(0, NS, 1, _entry(1)) and again.get(0, NS, 1) is not None
+    assert len(_warnings(caplog)) == 1 and again.errors == {"corrupt": 1}
+    again.close()
+
+
+def test_a_locked_database_is_skipped_not_waited_on(tmp_path, caplog):
+    path = tmp_path / "l3.sqlite3"
+    store = SqliteL3(path)
+    store.put(0, NS, 1, _entry(1))
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with caplog.at_level(logging.WARNING):
+            t0 = time.perf_counter()
+            results = [store.put(0, NS, k, _entry(k)) for k in range(2, 50)]
+            elapsed = time.perf_counter() - t0
+            store.get(0, NS, 1)                            # skipped while locked; nothing raises
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert not any(results) and elapsed < 1.0
+    assert len(_warnings(caplog)) == 1 and "locked" in _warnings(caplog)[0].getMessage()
+    time.sleep(1.1)                                        # past the skip window it is used again
+    assert store.put(0, NS, 99, _entry(99)) and store.get(0, NS, 99) is not None
+    store.close()
+
+
+def test_an_unusable_location_runs_without_l3(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING):
+        store = SqliteL3(blocker / "l3.sqlite3")           # its parent is a file
+        assert not store.put(0, NS, 1, _entry(1)) and store.get(0, NS, 1) is None
+        assert store.occupancy(2)[1].tolist() == [0, 0]
+    assert len(_warnings(caplog)) == 1
+
+
+def test_an_unreachable_redis_is_skipped_quickly(caplog):
+    pytest.importorskip("redis")
+    store = RedisL3(f"redis://127.0.0.1:{_free_port()}/0", "test:down", timeout=0.2)
+    with caplog.at_level(logging.WARNING):
+        t0 = time.perf_counter()
+        assert store.get(0, NS, 1) is None
+        assert all(not store.put(0, NS, k, _entry(k)) for k in range(100))
+        assert all(store.get(0, NS, k) is None for k in range(100))
+    assert time.perf_counter() - t0 < 2.0
+    assert len(_warnings(caplog)) == 1 and "unreachable" in _warnings(caplog)[0].getMessage()
+
+
+def test_bad_values_are_misses():
+    assert decode_entry(b"") is None and decode_entry(b"L3\x01\x00" + b"\x00" * 10) is None
+    blob = encode_entry(_entry(1), "float32")
+    assert decode_entry(blob[:-1]) is None and decode_entry(blob) is not None
+
+
+def test_open_l3_specs_and_default_location(app_paths, tmp_path):
+    home = Path(os.environ["LARQL_DESKTOP_HOME"])
+    assert default_l3_path(app_paths).is_relative_to(home)
+    assert open_l3("off", app_paths) is None
+    s = open_l3(f"sqlite:{tmp_path / 'x.db'}", app_paths)
+    assert isinstance(s, SqliteL3) and s.path == tmp_path / "x.db"
+    s.close()
+    with pytest.raises(ValueError, match="unknown L3 store"):
+        open_l3("memcached://x", app_paths)
+    with pytest.raises(ValueError):
+        L3Settings(dtype="int8")
+
+
+# ------------------------------------------------------------------------------------------- real model
+def _uncached(model, ids, n):
+    off = LarqlEngine(model, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+    return run_sequence(model, off.new_session().ffn, ids, n)
+
+
+def test_restart_serves_l3_hits_bit_identical_to_uncached(smollm2, tmp_path):
+    ids = smollm2.encode_prompt([{"role": "user", "content": "Name a large animal that lives in the sea."}])
+    n_dec, n = 10, smollm2.config.n_layers
+    tokens_off, logits_off = _uncached(smollm2, ids, n_dec)
+
+    path = tmp_path / "l3.sqlite3"
+    first = LarqlEngine(smollm2, l3=SqliteL3(path))
+    tokens_1, logits_1 = run_sequence(smollm2, first.new_session().ffn, ids, n_dec)
+    snap1 = first.snapshot()
+    assert snap1.tiers["L3"].misses.sum() == n_dec * n and snap1.tiers["L3"].hits.sum() == 0
+    assert snap1.tiers["L3"].entries.sum() == n_dec * n and snap1.tiers["L3"].enabled
+    first.l3.close()
+
+    # A restart: a new engine (empty L1, L2) and a new store object on the same file.
+    second = LarqlEngine(smollm2, l3=SqliteL3(path))
+    tokens_2, logits_2 = run_sequence(smollm2, second.new_session().ffn, ids, n_dec)
+    snap2 = second.snapshot()
+    assert snap2.tiers["L2"].misses.sum() == n_dec * n
+    assert snap2.tiers["L3"].hits.sum() == n_dec * n and snap2.tiers["L3"].misses.sum() == 0
+    assert tokens_1 == tokens_2 == tokens_off
+    assert np.array_equal(logits_1, logits_off) and np.array_equal(logits_2, logits_off)
+    # L3 hits filled L2: a third session of the same engine is served by L2 alone.
+    run_sequence(smollm2, second.new_session().ffn, ids, n_dec)
+    snap3 = second.snapshot()
+    assert snap3.tiers["L2"].hits.sum() == n_dec * n and snap3.tiers["L3"].hits.sum() == n_dec * n
+
+    # Another K is another namespace: nothing is served across it; a disabled L3 is not consulted.
+    other_k = LarqlEngine(smollm2, walk=WalkSettings(top_k=1000), l3=SqliteL3(path))
+    run_sequence(smollm2, other_k.new_session().ffn, ids, 3)
+    assert other_k.snapshot().tiers["L3"].hits.sum() == 0
+    other_k.configure(l3=L3Settings(enabled=False))
+    run_sequence(smollm2, other_k.new_session().ffn, ids, 3)
+    snap = other_k.snapshot()
+    assert not snap.tiers["L3"].enabled and snap.tiers["L3"].misses.sum() == 3 * n
+    with pytest.raises(ValueError, match="no L3 store"):
+        LarqlEngine(smollm2).configure(l3=L3Settings())
+
+
+def test_fp16_l3_error_measured_on_a_real_generation(smollm2, tmp_path):
+    """fp16 storage: the error a hit carries, measured by the verify mode against a fresh computation.
+
+    Measured: each hit's output is within fp16 rounding, but that rounding moves the next layer's input
+    enough to change its K-feature set (K = 79% of the width leaves near-ties at the cut), so after a
+    restart an fp16 L3 serves the first layers of each step and misses most later ones; fp32 serves all."""
+    ids = smollm2.encode_prompt([{"role": "user", "content": "What colour is the sky?"}])
+    n_dec, n = 10, smollm2.config.n_layers
+    tokens_off, logits_off = _uncached(smollm2, ids, n_dec)
+    path = tmp_path / "l3.sqlite3"
+    fp16 = L3Settings(dtype="float16")
+    run_sequence(smollm2, LarqlEngine(smollm2, l3=SqliteL3(path, fp16)).new_session().ffn, ids, n_dec)
+    engine = LarqlEngine(smollm2, walk=WalkSettings(verify_fraction=1.0), l3=SqliteL3(path, fp16))
+    tokens, logits = run_sequence(smollm2, engine.new_session().ffn, ids, n_dec)
+    snap = engine.snapshot()
+    fid = snap.fidelity
+    hits = int(snap.tiers["L3"].hits.sum())
+    assert hits >= n_dec and hits == fid.checked
+    same = next((i for i, (a, b) in enumerate(zip(tokens, tokens_off)) if a != b), n_dec)
+    logit_err = float(np.max(np.abs(logits[:same] - logits_off[:same])))    # while the inputs are the same
+    print(f"\nfp16 L3 on {smollm2.name}: {fid.checked} hits of {n_dec * n} lookups, FFN output cosine mean {fid.mean_cosine:.8f} "
+          f"min {fid.min_cosine:.8f}, max |error| {fid.max_abs_error:.3g}; logits max |error| {logit_err:.3g} "
+          f"over the {same} steps before greedy tokens first differ; L3 hit rate after restart "
+          f"{hits / (n_dec * n):.1%} (fp32: 100%)")
+    assert fid.min_cosine > 0.99999 and fid.max_abs_error < 0.05
+    assert same >= 1 and logit_err < 1.0

@@ -1,0 +1,273 @@
+"""The local HTTP API on loopback, driven by real HTTP clients: cache hits across clients, statistics, refusals,
+patches, restarts served by L3, the OpenAPI description, and a short bounded load test."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from larql_desktop.engine.engine import LarqlEngine
+from larql_desktop.engine.l3 import SqliteL3
+from larql_desktop.engine.patches import encode_vector
+from larql_desktop.loadtest import run_load
+from larql_desktop.server import start_server
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+
+
+@pytest.fixture
+def served(smollm2, tmp_path):
+    engine = LarqlEngine(smollm2, l3=SqliteL3(tmp_path / "l3.sqlite3"))
+    handle = start_server(engine, "127.0.0.1", 0)
+    yield engine, handle
+    handle.stop()
+    engine.l3.close()
+
+
+def _residual(model, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(model.config.hidden).astype(np.float32)
+
+
+def _state(engine) -> tuple:
+    snap = engine.snapshot()
+    return (snap.calls, int(snap.tiers["L2"].entries.sum()), int(snap.tiers["L3"].entries.sum()),
+            engine.patches.epoch)
+
+
+def test_a_second_clients_identical_request_is_an_l2_hit(served, smollm2):
+    engine, handle = served
+    body = {"layer": 7, "residual": _residual(smollm2).tolist(), "full_output": True}
+    with httpx.Client(base_url=handle.url) as first:
+        a = first.post("/v1/walk-ffn", json=body)
+    with httpx.Client(base_url=handle.url) as second:
+        b = second.post("/v1/walk-ffn", json=body)
+        stats = second.get("/v1/cache-stats").json()
+    assert a.status_code == b.status_code == 200
+    a, b = a.json(), b.json()
+    assert (a["cache"], a["hit"], a["tier"]) == ("miss", False, None)
+    assert (b["cache"], b["hit"], b["tier"]) == ("hit", True, "L2")
+    assert np.array_equal(np.float32(a["output"]), np.float32(b["output"])) and len(a["output"]) == 576
+    # The same computation in process, uncached, gives the very same bits.
+    fresh = LarqlEngine(smollm2).request_walk()
+    fresh.l2 = None
+    assert np.array_equal(fresh(7, _residual(smollm2)[None, :])[0], np.float32(a["output"]))
+    l2, l3 = stats["tiers"]["L2"], stats["tiers"]["L3"]
+    assert l2["per_layer"]["hits"][7] == 1 and l2["per_layer"]["misses"][7] == 1 and l2["hits"] == 1
+    assert l3["per_layer"]["misses"][7] == 1 and l3["entries"] == 1 and l3["enabled"]
+    assert stats["calls"] == 2 and stats["latency_us"]["hit"]["count"] == 1
+    assert stats["fidelity"]["mean_cosine"] is None        # NaN (nothing checked) is sent as null
+
+
+def test_features_only_and_multi_position_requests(served, smollm2):
+    engine, handle = served
+    x = _residual(smollm2, 1)
+    with httpx.Client(base_url=handle.url) as http:
+        r = http.post("/v1/walk-ffn", json={"layer": 2, "residual": x.tolist(), "top_k": 8, "full_output": False})
+        doc = r.json()
+        assert r.status_code == 200 and doc["cache"] == "none" and doc["output"] is None
+        scores = smollm2.ffn.gate_scores(2, x[None, :])[0]
+        assert set(doc["features"]) == set(np.argsort(-np.abs(scores))[:8].tolist())
+        assert np.allclose(doc["scores"], scores[doc["features"]])
+        r = http.post("/v1/walk-ffn", json={"layer": 2, "residual": [x.tolist(), x.tolist()]})
+        assert r.json()["cache"] == "bypass" and r.json()["bypass_reason"] == "prefill"
+        assert len(r.json()["output"]) == 2
+        r = http.post("/v1/walk-ffn", json={"layer": 2, "residual": x.tolist(), "top_k": smollm2.config.intermediate})
+        assert r.json()["cache"] == "dense" and r.json()["bypass_reason"] == "full_k"
+
+
+def _bad_requests(model):
+    d = model.config.hidden
+    ok = [0.5] * d
+    j = {"content-type": "application/json"}
+    return [
+        ("short vector", json.dumps({"layer": 1, "residual": ok[:-1]}), j, 422, "hidden size"),
+        ("long vector", json.dumps({"layer": 1, "residual": ok + [1.0]}), j, 422, "hidden size"),
+        ("NaN", json.dumps({"layer": 1, "residual": [float("nan")] + ok[1:]}), j, 422, "NaN"),
+        ("Infinity", json.dumps({"layer": 1, "residual": [float("inf")] + ok[1:]}), j, 422, "NaN or infinity"),
+        ("float32 overflow", json.dumps({"layer": 1, "residual": [1e39] + ok[1:]}), j, 422, "beyond float32"),
+        ("unknown layer", json.dumps({"layer": 30, "residual": ok}), j, 422, "layer 30 is out of range"),
+        ("negative layer", json.dumps({"layer": -1, "residual": ok}), j, 422, "out of range"),
+        ("bool layer", json.dumps({"layer": True, "residual": ok}), j, 422, "layer"),
+        ("string values", json.dumps({"layer": 1, "residual": ["1"] * d}), j, 422, "residual"),
+        ("top_k zero", json.dumps({"layer": 1, "residual": ok, "top_k": 0}), j, 422, "top_k"),
+        ("top_k too big", json.dumps({"layer": 1, "residual": ok, "top_k": 10 ** 6}), j, 422, "top_k"),
+        ("missing residual", json.dumps({"layer": 1}), j, 422, "residual"),
+        ("unknown field", json.dumps({"layer": 1, "residual": ok, "mode": "x"}), j, 422, "mode"),
+        ("empty residual", json.dumps({"layer": 1, "residual": []}), j, 422, "hidden size"),
+        ("ragged positions", json.dumps({"layer": 1, "residual": [ok, ok[:3]]}), j, 422, "residual[1]"),
+        ("bad JSON", '{"layer": 1, "residual": [', j, 400, "not valid JSON"),
+        ("not an object", "[1, 2, 3]", j, 422, "body"),
+        ("text/plain", json.dumps({"layer": 1, "residual": ok}), {"content-type": "text/plain"}, 415, "JSON"),
+        ("no content type", json.dumps({"layer": 1, "residual": ok}), {}, 415, "JSON"),
+    ]
+
+
+def test_malformed_requests_get_a_4xx_with_a_reason_and_change_nothing(served, smollm2):
+    engine, handle = served
+    before = _state(engine)
+    with httpx.Client(base_url=handle.url) as http:
+        for name, content, headers, status, reason in _bad_requests(smollm2):
+            r = http.post("/v1/walk-ffn", content=content.encode(), headers=headers)
+            assert r.status_code == status, (name, r.text)
+            assert reason.lower() in r.json()["detail"].lower(), (name, r.json())
+        bad_patch = {"version": 1, "base_checksum": "0" * 64, "operations": [{"op": "delete", "layer": 1,
+                                                                            "feature": 1}]}
+        for doc, reason in ((bad_patch, "another model"), ({"version": 9}, "version"), ([], "dictionary")):
+            r = http.post("/v1/patches", json=doc)
+            assert r.status_code == 422 and reason in r.json()["detail"], r.text
+        assert http.delete("/v1/patches/0").status_code == 404
+        assert http.delete("/v1/patches/x").status_code == 422
+        for doc, reason in (({"entity": "", "relation": "r", "target": "t"}, "entity"),
+                            ({"entity": "e", "relation": "r", "target": "t", "layer": 99}, "out of range"),
+                            ({"entity": "e", "relation": "r", "target": "t", "alpha": 0}, "alpha"),
+                            ({"entity": "e", "relation": "r"}, "target")):
+            r = http.post("/v1/insert", json=doc)
+            assert r.status_code == 422 and reason in r.json()["detail"], r.text
+        assert http.get("/v1/nothing").status_code == 404
+    assert _state(engine) == before
+
+
+def test_body_cap_token_and_host_checks(smollm2, tmp_path):
+    engine = LarqlEngine(smollm2)
+    with pytest.raises(ValueError, match="needs a token"):
+        start_server(engine, "0.0.0.0", 0)                 # refused before anything is bound
+    handle = start_server(engine, "127.0.0.1", 0, token=TOKEN, max_body=4096)
+    try:
+        body = {"layer": 0, "residual": [0.25] * smollm2.config.hidden}
+        with httpx.Client(base_url=handle.url) as http:
+            assert http.get("/v1/health").status_code == 401
+            r = http.get("/v1/health", headers={"authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            assert http.get("/v1/health", headers=auth).json() == {"status": "ok"}
+            r = http.post("/v1/walk-ffn", json=body, headers=auth)          # ~3.5 KB: under the cap
+            assert r.status_code == 200
+            big = {"layer": 0, "residual": [0.123456789] * smollm2.config.hidden}
+            r = http.post("/v1/walk-ffn", json=big, headers=auth)
+            assert r.status_code == 413 and "exceeds 4096" in r.json()["detail"]
+
+            def chunks():                                  # no Content-Length: counted while received
+                for _ in range(10):
+                    yield b" " * 1000
+            r = http.post("/v1/walk-ffn", content=chunks(), headers={**auth, "content-type": "application/json"})
+            assert r.status_code == 413
+            r = http.get("/v1/health", headers={**auth, "host": "attacker.example"})
+            assert r.status_code == 400 and "loopback" in r.json()["detail"]
+        assert engine.snapshot().calls == 1              # only the request under the cap ran
+    finally:
+        handle.stop()
+
+
+def test_openapi_description_is_served_and_valid(served):
+    from openapi_spec_validator import validate
+
+    _, handle = served
+    doc = httpx.get(f"{handle.url}/openapi.json").json()
+    validate(doc)
+    assert {"/v1/walk-ffn", "/v1/cache-stats", "/v1/patches", "/v1/patches/{index}", "/v1/insert"} <= set(doc["paths"])
+    assert set(doc["paths"]["/v1/patches"]) == {"get", "post"} and "delete" in doc["paths"]["/v1/patches/{index}"]
+    request = doc["components"]["schemas"]["WalkFfnRequest"]
+    assert set(request["properties"]) == {"layer", "residual", "top_k", "full_output"}
+    assert set(request["required"]) == {"layer", "residual"}
+    assert "422" in doc["paths"]["/v1/walk-ffn"]["post"]["responses"]
+
+
+def test_patch_routes_apply_list_and_remove(served, smollm2):
+    engine, handle = served
+    d = smollm2.config.hidden
+    v = encode_vector(np.full(d, 0.01, np.float32))
+    doc = {"version": 1, "base_model": smollm2.name, "base_checksum": smollm2.checksum, "created_at": "now",
+           "description": "via http", "operations": [{"op": "update", "layer": 4, "feature": 6, "down": v}]}
+    x = _residual(smollm2, 2).tolist()
+    with httpx.Client(base_url=handle.url) as http:
+        assert http.get("/v1/patches").json() == {"epoch": "clean", "patches": []}
+        clean = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
+        r = http.post("/v1/patches", json=doc)
+        assert r.status_code == 201
+        listed = r.json()
+        assert listed["epoch"] != "clean" and listed["patches"][0]["layers"] == [4]
+        assert listed["patches"][0]["description"] == "via http" and http.get("/v1/patches").json() == listed
+        patched = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
+        assert (patched["cache"], patched["bypass_reason"]) == ("bypass", "patched")
+        assert patched["output"] != clean["output"]                 # the override applies
+        other = http.post("/v1/walk-ffn", json={"layer": 5, "residual": x}).json()
+        assert other["cache"] == "miss"                             # other layers keep their cache
+        r = http.delete("/v1/patches/0")
+        assert r.status_code == 200 and r.json() == {"epoch": "clean", "patches": []}
+        again = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
+        assert again["cache"] == "hit" and again["output"] == clean["output"]
+
+
+def test_insert_route_installs_a_fact(served):
+    engine, handle = served
+    with httpx.Client(base_url=handle.url, timeout=600) as http:
+        r = http.post("/v1/insert", json={"entity": "Atlantis", "relation": "capital-of", "target": "Poseidon"})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["patches"]["patches"][0]["layers"] == [doc["layer"]] and 0 < doc["probability"] <= 1
+    assert engine.patches.has_overrides_at(doc["layer"])
+
+
+def test_restart_serves_the_repeated_request_from_l3_bit_identically(smollm2, tmp_path):
+    path = tmp_path / "l3.sqlite3"
+    body = {"layer": 11, "residual": _residual(smollm2, 3).tolist()}
+    outputs = []
+    for run in range(2):           # a restart: new engine, new store object, new server
+        engine = LarqlEngine(smollm2, l3=SqliteL3(path))
+        handle = start_server(engine, "127.0.0.1", 0)
+        try:
+            doc = httpx.post(f"{handle.url}/v1/walk-ffn", json=body).json()
+        finally:
+            handle.stop()
+            engine.l3.close()
+        assert (doc["cache"], doc["tier"]) == (("miss", None) if run == 0 else ("hit", "L3"))
+        outputs.append(np.float32(doc["output"]))
+    assert np.array_equal(outputs[0], outputs[1])
+
+
+def test_short_load_test_loses_no_counts(served, smollm2):
+    engine, handle = served
+    before = engine.snapshot()
+    result = run_load(handle.url, smollm2.config.hidden, smollm2.config.n_layers, clients=4, seconds=2.5,
+                      pool=24, prefill_every=7)
+    after = engine.snapshot()
+    summary = result.summary()
+    print(f"\nshort load test: {summary}")
+    assert result.errors == 0 and result.requests > 20
+    assert sum(result.outcomes.values()) == result.requests
+    assert set(result.outcomes) <= {"hit", "miss", "bypass"} and result.outcomes.get("hit", 0) > 0
+    lat = {k: after.latency[k].count - before.latency[k].count for k in after.latency}
+    assert after.calls - before.calls == result.requests
+    assert lat["hit"] + lat["miss"] + lat["bypass"] + lat["dense"] == result.requests
+    assert {k: v for k, v in lat.items() if v} == result.outcomes
+    l2 = {k: int(getattr(after.tiers["L2"], k).sum() - getattr(before.tiers["L2"], k).sum()) for k in ("hits", "misses")}
+    assert l2["hits"] + l2["misses"] == after.lookups - before.lookups == lat["hit"] + lat["miss"]
+    assert l2["hits"] + (result.tiers.get("L3", 0)) == lat["hit"] == result.outcomes["hit"]
+    bypass = int(sum(v.sum() for v in after.bypasses.values()) - sum(v.sum() for v in before.bypasses.values()))
+    assert bypass == result.outcomes.get("bypass", 0)
+
+
+def test_serve_command_runs_and_stops(app_paths, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "larql_desktop", "serve", "--model", "smollm2", "--port", "0",
+           "--l3", f"sqlite:{tmp_path / 'l3.sqlite3'}"]
+    r = subprocess.run([*cmd[:3], "serve", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "token" in r.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        assert httpx.get(f"{match.group(1)}/v1/model").json()["hidden"] == 576
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    assert (tmp_path / "l3.sqlite3").exists()
