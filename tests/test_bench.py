@@ -1,0 +1,84 @@
+"""`larql-desktop bench`: run briefly as a user runs it (a subprocess, without llama.cpp) so it cannot rot."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from larql_desktop.engine.bench import LARQL_MODES, LLAMA_MODE, format_report, targets
+
+PER_MODE = ("prompt_tokens", "prefill_tok_s", "decode_tok_s", "ttft_submit_s", "ttft_process_s", "load_seconds",
+            "peak_rss_mb", "rss_after_load_mb")
+
+
+def run_cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "larql_desktop", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+def test_bench_writes_positive_figures_for_every_mode(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", "--model", "smollm2", "--tokens", "4", "--runs", "2", "--prompt", "Say hi.",
+                     "--no-llama-cpp", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "smollm2" and doc["threads"] == 2 and doc["tokens"] == 4 and doc["runs"] == 2
+    assert doc["prompt_tokens"] > 0 and 0 < doc["top_k"] < doc["intermediate"]
+    assert set(doc["modes"]) == set(LARQL_MODES)          # llama.cpp skipped on request
+    for name, mode in doc["modes"].items():
+        for key in PER_MODE:
+            assert mode[key] > 0, (name, key, mode[key])
+        assert mode["prompt_tokens"] == doc["prompt_tokens"]
+        assert len(mode["runs"]) == 2 and all(r["decode_steps"] == 3 for r in mode["runs"])
+        assert len(mode["tokens"]) == 4
+        # From process start includes the load; from submission does not.
+        assert mode["ttft_process_s"] > mode["load_seconds"] > 0
+        assert mode["peak_rss_mb"] >= mode["rss_after_load_mb"]
+        assert "vs_llama_cpp" not in mode
+    # The same greedy generation repeated: the warm runs are served by the cache, the cold ones never are.
+    assert doc["modes"]["warm"]["cache"]["hit_rate"] == 1.0
+    assert doc["modes"]["cold"]["cache"]["hits"] == 0 and doc["modes"]["cold"]["cache"]["lookups"] > 0
+    assert doc["modes"]["sparse"]["cache"]["lookups"] == 0
+    assert doc["modes"]["warm"]["tokens"] == doc["modes"]["cold"]["tokens"] == doc["modes"]["sparse"]["tokens"]
+    assert doc["modes"]["dense"]["greedy_agreement_vs_dense"] == 1.0
+    assert "warm_decode_faster_than_dense" in doc["targets"]
+    assert "decode tok/s" in result.stdout and "llama.cpp: not run" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tokens", "1"), "--tokens must be at least 2"),
+    (("--modes", "dense,turbo"), "unknown mode"),
+    (("--runs", "0"), "--runs must be at least 1"),
+])
+def test_bench_refuses_bad_settings(args, message):
+    result = run_cli("bench", "--no-llama-cpp", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def _mode(decode, prefill, ttft, start, rss):
+    return {"decode_tok_s": decode, "prefill_tok_s": prefill, "ttft_submit_s": ttft, "ttft_process_s": start,
+            "peak_rss_mb": rss, "load_seconds": 1.0, "tokens": [1, 2]}
+
+
+def test_targets_and_ratio_table_with_llama_cpp_figures():
+    # Synthetic figures: how the report reads a run that included llama.cpp.
+    doc = {"model": "smollm2", "arch": "llama", "threads": 2, "runs": 3, "tokens": 8, "prompt_tokens": 20,
+           "top_k": 1213, "intermediate": 1536,
+           "modes": {"dense": _mode(90.0, 500.0, 0.2, 2.0, 300.0), "warm": _mode(120.0, 400.0, 0.3, 2.5, 320.0),
+                     LLAMA_MODE: _mode(100.0, 1000.0, 0.1, 1.0, 200.0)}}
+    for name, m in doc["modes"].items():
+        if name != LLAMA_MODE:
+            ref = doc["modes"][LLAMA_MODE]
+            m["vs_llama_cpp"] = {"decode": m["decode_tok_s"] / ref["decode_tok_s"], "prefill": 0.5,
+                                 "ttft_submit": 2.0, "ttft_process": 2.0, "peak_rss": 1.5}
+    doc["targets"] = targets(doc)
+    assert doc["targets"] == {"dense_decode_ge_0.75x_llama_cpp": True, "dense_peak_rss_le_2x_llama_cpp": True,
+                              "warm_decode_faster_than_dense": True, "dense_ttft_submit_le_1.5s": True,
+                              "dense_ttft_process_le_1.5s": False}
+    text = "\n".join(format_report(doc))
+    assert "ratios vs llama.cpp" in text and " 0.90x" in text
+    assert "target dense_ttft_process_le_1.5s: NOT met" in text
