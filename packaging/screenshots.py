@@ -34,12 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.qt.app import open_persistent_cache
     from larql_desktop.qt.main_window import MainWindow
     from larql_desktop.qt.worker import EngineClient
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     paths = AppPaths.from_environment().ensure()
-    client = EngineClient(paths, threads=2)
+    l3, _ = open_persistent_cache(paths)   # as the app does: the persistent L3 in the (temporary) cache dir
+    client = EngineClient(paths, threads=2, l3=l3)
     settings = QSettings(str(paths.config / "screenshots.ini"), QSettings.IniFormat)
     settings.clear()
     window = MainWindow(client, settings, app)
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
     finally:
         window.close()
+        if l3 is not None:
+            l3.close()
     return 0
 
 

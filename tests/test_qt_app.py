@@ -277,6 +277,8 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
         if windows and (windows[0].client.model is not None or time.monotonic() > deadline):
             seen["model"] = windows[0].client.model.key if windows[0].client.model else None
             seen["client"] = windows[0].client
+            seen["l3"] = windows[0].client.engine.l3 if windows[0].client.engine else None
+            seen["banner"] = windows[0].error_banner.text
             windows[0].quit_action.trigger()   # Ctrl+Q's action
         else:
             QTimer.singleShot(50, poll)
@@ -284,5 +286,12 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
     QTimer.singleShot(0, poll)
     assert run_app(argparse.Namespace(model=DEFAULT_MODEL, threads=2, verbose=False)) == 0
     assert seen["model"] == DEFAULT_MODEL and not seen["client"].is_running()
+    # The persistent L3 is on by default, in the user cache dir (under LARQL_DESKTOP_HOME), and closed on exit.
+    from larql_desktop.engine.l3 import SqliteL3, default_l3_path
+
+    store = seen["l3"]
+    assert isinstance(store, SqliteL3) and store.settings.enabled and seen["banner"] == ""
+    assert store.path == default_l3_path(app_paths) and store.path.is_relative_to(app_paths.cache)
+    assert store.path.is_file() and store._conn is None
     assert (app_paths.config / SETTINGS_FILE).is_file()
     assert "loaded" in (app_paths.log / LOG_FILE).read_text()

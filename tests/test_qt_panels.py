@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import csv
 import json
+import socket
 
+import httpx
 import numpy as np
 import pytest
 
@@ -15,7 +17,9 @@ from PySide6.QtGui import QImage  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.protocol import InsertProgress  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
-from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
+from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
+from larql_desktop.qt.app import open_persistent_cache  # noqa: E402
+from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 
 INSERT_TIMEOUT = 120_000
 PROMPT = "How many legs does a spider have?"
@@ -174,14 +178,25 @@ def test_cache_settings_are_remembered(qtbot, qapp, app_paths, settings_file):  
         win.monitor.l2.capacity.setValue(1234)
         win.monitor.l1.policy.setCurrentText("lru")
         win.monitor.guard.setValue(0.999)
+        win.monitor.l3_max_mb.setValue(64)
+        win.monitor.l3_fp16.setChecked(True)
         win.patch_editor.entity.setText("Atlantis")
+        win.server_port.setValue(9876)
+        win.serve_box.setChecked(True)     # no model yet: nothing is served
+        assert win.server.url is None and not win.server.starting
+        assert win.serve_action.isChecked() and "waits for a model" in win.server_label.text()
     finally:
         win.close()
     again = make()
     try:
         c = again.monitor.cache_settings()
         assert c.l2.capacity == 1234 and c.l1.policy == "lru" and c.walk.cosine_guard == pytest.approx(0.999)
+        assert c.l3.max_bytes == 64 << 20 and c.l3.dtype == "float16" and c.l3.enabled
         assert again.patch_editor.entity.text() == "Atlantis"
+        # Serving resumes (once a model loads) because it was on when the app closed.
+        assert again.serve_action.isChecked() and again.serve_box.isChecked()
+        assert again.server_port.value() == 9876
+        assert not again.monitor.l3_enabled.isEnabled()   # this window's client has no L3 store
     finally:
         again.close()
 
@@ -191,6 +206,8 @@ def test_panel_controls_have_accessible_names(window):
     for widget in (m.charts, m.summary, m.dense, m.top_k, m.key_width, m.guard, m.verify, m.apply_button,
                    m.clear_button, m.reset_button, m.export_stats_button, m.export_charts_button,
                    m.l1.enabled, m.l1.capacity, m.l1.policy, m.l2.enabled, m.l2.capacity, m.l2.policy,
+                   m.l3_enabled, m.l3_max_mb, m.l3_fp16, m.l3_where, m.clear_l3_button,
+                   window.serve_box, window.server_port, window.server_label,
                    p.entity, p.relation, p.target, p.layer, p.alpha, p.insert_button, p.progress, p.probe_prompt,
                    p.probe_button, p.probe_table, p.patch_list, p.remove_button, p.save_button, p.load_button,
                    p.status):
@@ -210,3 +227,165 @@ def test_closing_mid_insert_joins_the_engine_thread(window, qtbot):  # noqa: F81
     qtbot.waitUntil(lambda: len(progress) >= 2, timeout=INSERT_TIMEOUT)
     window.quit_action.trigger()
     assert not window.isVisible() and not window.client.is_running()
+
+
+def test_the_persistent_l3_is_attached_and_serves_a_repeated_prompt_after_a_restart(qtbot, qapp, app_paths,
+                                                                                   settings_file):  # noqa: F811
+    """The app's own L3 (open_persistent_cache, as run_app opens it): a new window and engine thread on the same
+    home find the first window's FFN outputs on disk."""
+    def start():
+        store, warning = open_persistent_cache(app_paths)
+        assert warning is None and store is not None and store.path.is_relative_to(app_paths.cache)
+        win = MainWindow(EngineClient(app_paths, threads=2, l3=store),
+                         QSettings(str(settings_file), QSettings.IniFormat), qapp)
+        win.show()
+        win.activateWindow()
+        with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
+            win.load_model(DEFAULT_MODEL)
+        return win, store
+
+    win, store = start()
+    try:
+        assert win.client.engine.l3 is store and win.monitor.l3_enabled.isEnabled()
+        store.clear()   # other tests share this home's L3
+        _, first = send(qtbot, win, PROMPT, max_tokens=10)
+        n_layers = win.client.model.n_layers
+        lookups = (first.stats.tokens - 1) * n_layers
+        assert first.stats.cache.tier("L3") == (0, lookups)               # missed, and written back
+        event = wait_for_stats(qtbot, win, lambda e: e.process.tiers["L3"].entries.sum() >= lookups)
+        assert event.l3_status["backend"] == "sqlite" and event.settings.l3.enabled
+        assert event.process.full_misses.sum() == lookups                 # every lookup computed the FFN
+        win.monitor.refresh(force=True)
+        assert win.monitor.entry_bars["L3"].opts["height"].sum() >= lookups
+        assert win.monitor.layer_bars["misses"].opts["height"].sum() == lookups
+        assert "L3 (on, sqlite)" in win.monitor.summary.text()
+    finally:
+        win.close()
+        store.close()
+    assert not win.client.is_running()
+
+    win, store = start()
+    try:
+        _, second = send(qtbot, win, PROMPT, max_tokens=10)
+        assert second.text == first.text
+        cache = second.stats.cache
+        assert cache.tier("L3") == (lookups, 0)                           # every decode lookup, from disk
+        assert cache.tier("L1") == cache.tier("L2") == (0, lookups)
+        event = wait_for_stats(qtbot, win, lambda e: e.process.tiers["L3"].hits.sum() == lookups)
+        assert event.process.full_misses.sum() == 0
+        monitor = win.monitor
+        monitor.refresh(force=True)
+        assert monitor.layer_bars["L3 hits"].opts["height"].sum() == lookups
+        assert monitor.layer_bars["misses"].opts["height"].sum() == 0
+        assert np.nanmax(monitor.model.hit_rate.column("L3")) > 0.5
+        assert "L3 (on, sqlite)" in monitor.summary.text() and "L3 100%" in monitor.summary.text()
+
+        # Turning L3 off: the next chat neither reads nor writes it.
+        monitor.l3_enabled.setChecked(False)
+        monitor.apply_button.click()
+        qtbot.keyClick(win.current_tab().input, Qt.Key_N, Qt.ControlModifier)
+        _, third = send(qtbot, win, "Name a colour.", max_tokens=6)
+        assert third.stats.cache.tier("L3") == (0, 0) and not store.settings.enabled
+        monitor.l3_enabled.setChecked(True)
+        monitor.apply_button.click()
+
+        # Clearing the persistent cache empties the file's table.
+        monitor.clear_l3_button.click()
+        wait_for_stats(qtbot, win, lambda e: e.process.tiers["L3"].entries.sum() == 0
+                       and e.process.tiers["L2"].entries.sum() == 0)
+        assert store.total_bytes() == 0 and store.settings.enabled
+    finally:
+        win.close()
+        store.close()
+    assert not win.client.is_running()
+
+
+def test_a_broken_l3_location_is_a_warning_and_the_app_runs_without_it(app_paths, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    store, warning = open_persistent_cache(app_paths, f"sqlite:{blocker / 'l3.sqlite3'}")
+    try:
+        assert warning and "L3" in warning
+    finally:
+        if store is not None:
+            store.close()
+    store, warning = open_persistent_cache(app_paths, "nonsense")
+    assert store is None and "could not be opened" in warning
+    corrupt = tmp_path / "corrupt.sqlite3"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    store, warning = open_persistent_cache(app_paths, f"sqlite:{corrupt}")
+    try:
+        assert store is not None and "moved aside" in warning
+        assert (tmp_path / "corrupt.sqlite3.corrupt").is_file()
+    finally:
+        store.close()
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/v1/health", timeout=2.0)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F811
+    win = loaded
+    # A port that is taken: the error is shown and the toggle goes back off.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        win.server_port.setValue(taken.getsockname()[1])
+        win.serve_box.setChecked(True)
+        qtbot.waitUntil(lambda: not win.serve_action.isChecked(), timeout=30_000)
+    assert "HTTP API: could not serve" in win.error_banner.text and win.server.url is None
+    win.error_banner.clear()
+
+    win.server_port.setValue(0)                       # any free port
+    win.serve_action.trigger()                        # Server > Serve HTTP API
+    qtbot.waitUntil(lambda: win.server.url is not None, timeout=30_000)
+    url = win.server.url
+    assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+    assert win.serve_box.isChecked() and url in win.server_label.text() and not win.server_port.isEnabled()
+    assert win.server.engine is win.client.engine
+
+    # The same prompt in two chats: the API reports the chats' shared L2.
+    send(qtbot, win, PROMPT, max_tokens=8)
+    qtbot.keyClick(win.current_tab().input, Qt.Key_N, Qt.ControlModifier)
+    _, second = send(qtbot, win, PROMPT, max_tokens=8)
+    l2_hits = second.stats.cache.tier("L2")[0]
+    assert l2_hits > 0
+    event = wait_for_stats(qtbot, win, lambda e: e.process.tiers["L2"].hits.sum() == l2_hits)
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        stats = http.get("/v1/cache-stats").json()
+        assert stats["tiers"]["L2"]["hits"] == l2_hits and stats["calls"] == event.process.calls
+        assert stats["tiers"]["L2"]["entries"] == int(event.process.tiers["L2"].entries.sum())
+        # A walk request goes through the very same L2: an input the API saw once hits the second time.
+        x = np.random.default_rng(3).standard_normal(win.client.model.hidden).astype(np.float32).tolist()
+        a = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
+        b = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
+        assert (a["cache"], b["cache"], b["tier"]) == ("miss", "hit", "L2")
+    wait_for_stats(qtbot, win, lambda e: True)
+    assert win.client.engine.snapshot().tiers["L2"].hits.sum() == l2_hits + 1
+
+    # Toggling off stops it.
+    win.serve_box.setChecked(False)
+    assert win.server.url is None and not win.serve_action.isChecked() and win.server_port.isEnabled()
+    assert _refused(url)
+
+    # On again, then another model load: the server moves to the new engine.
+    win.serve_box.setChecked(True)
+    qtbot.waitUntil(lambda: win.server.url is not None, timeout=30_000)
+    old_engine = win.client.engine
+    with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
+        win.load_model(DEFAULT_MODEL)
+    qtbot.waitUntil(lambda: win.server.url is not None and win.server.engine is win.client.engine,
+                    timeout=30_000)
+    assert win.client.engine is not old_engine
+    url = win.server.url
+    assert httpx.get(f"{url}/v1/cache-stats").json()["calls"] == 0
+
+    # Closing the window stops it before the engine thread is joined.
+    win.close()
+    assert not win.client.is_running() and win.server.url is None
+    assert _refused(url)

@@ -172,3 +172,25 @@ def test_stats_exports_are_valid_json_and_one_csv_row_per_layer():
     assert len(rows) == 3 and tuple(rows[0]) == CSV_COLUMNS
     assert [r["patched"] for r in rows] == ["0", "1", "0"] and rows[1]["bypass_patched"] == "4"
     assert rows[0]["L2_hits"] == "5"
+
+
+def test_exact_full_misses_per_layer_feed_the_monitor_bars():
+    import dataclasses
+
+    from larql_desktop.engine.ffn_cache import CacheStats
+    from larql_desktop.qt.cache_monitor_model import MonitorModel
+
+    stats = CacheStats(3)
+    stats.record(0, "miss", 0.001, tier_results=(("L1", False), ("L2", False), ("L3", False)))
+    stats.record(0, "hit", 0.001, tier_results=(("L1", False), ("L2", False), ("L3", True)))
+    stats.record(2, "miss", 0.001, tier_results=(("L1", False),))            # L2 off: L1 was the only tier
+    stats.record(1, "bypass", 0.001, bypass="prefill")
+    snap = stats.snapshot({}, {"L1": True})
+    assert snap.full_misses.tolist() == [1, 0, 1]
+    assert snap.to_dict()["full_misses"] == {"total": 2, "per_layer": [1, 0, 1]}
+    model = MonitorModel()
+    model.ingest(_event(dataclasses.replace(snap, calls=4)))
+    assert model.per_layer()["misses"].tolist() == [1, 0, 1]
+    stats.reset()
+    assert stats.snapshot({}, {}).full_misses.tolist() == [0, 0, 0]
+    assert _snapshot(3).full_misses is None   # producers without the field still build snapshots

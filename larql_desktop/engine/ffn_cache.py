@@ -278,6 +278,8 @@ class StatsSnapshot:
     latency: dict           # outcome -> LatencySummary
     fidelity: FidelitySummary
     recent: tuple           # (timestamp, layer, outcome, seconds) of the latest calls
+    # Per layer, lookups that missed every tier they consulted (the FFN was computed); None from older producers.
+    full_misses: np.ndarray | None = None
 
     @property
     def hits(self) -> int:
@@ -292,7 +294,9 @@ class StatsSnapshot:
                 "tiers": {k: v.to_dict() for k, v in self.tiers.items()},
                 "bypasses": {k: {"total": int(v.sum()), "per_layer": v.tolist()} for k, v in self.bypasses.items()},
                 "latency_us": {k: vars(v) for k, v in self.latency.items()},
-                "fidelity": vars(self.fidelity)}
+                "fidelity": vars(self.fidelity),
+                **({"full_misses": {"total": int(self.full_misses.sum()), "per_layer": self.full_misses.tolist()}}
+                   if self.full_misses is not None else {})}
 
 
 class CacheStats:
@@ -311,6 +315,7 @@ class CacheStats:
             self._hits = {t: np.zeros(n, np.int64) for t in TIERS}
             self._misses = {t: np.zeros(n, np.int64) for t in TIERS}
             self._bypass = {r: np.zeros(n, np.int64) for r in BYPASS_REASONS}
+            self._full_misses = np.zeros(n, np.int64)
             self._lat_count = dict.fromkeys(OUTCOMES, 0)
             self._lat_sum = dict.fromkeys(OUTCOMES, 0.0)
             self._lat_min = dict.fromkeys(OUTCOMES, float("inf"))
@@ -330,6 +335,8 @@ class CacheStats:
                 (self._hits if hit else self._misses)[tier][layer] += 1
             if bypass is not None:
                 self._bypass[bypass][layer] += 1
+            if outcome == "miss":
+                self._full_misses[layer] += 1
             self._lat_count[outcome] += 1
             self._lat_sum[outcome] += seconds
             self._lat_min[outcome] = min(self._lat_min[outcome], seconds)
@@ -368,7 +375,7 @@ class CacheStats:
                                   self._fid_stale)
             return StatsSnapshot(self._calls, self._lookups, tier_snaps,
                                  {r: v.copy() for r, v in self._bypass.items()}, latency, fid,
-                                 tuple(self._recent))
+                                 tuple(self._recent), self._full_misses.copy())
 
 
 # ----------------------------------------------------------------------------------------------- walk FFN

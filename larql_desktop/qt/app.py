@@ -8,6 +8,7 @@ import sys
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
+from ..engine.l3 import L3Store, open_l3
 from ..engine.paths import AppPaths
 from .main_window import MainWindow
 from .worker import EngineClient
@@ -39,6 +40,31 @@ def open_settings(paths: AppPaths) -> QSettings:
     return QSettings(str(paths.config / SETTINGS_FILE), QSettings.IniFormat)
 
 
+def open_persistent_cache(paths: AppPaths, spec: str = "sqlite") -> tuple[L3Store | None, str | None]:
+    """The app's L3 store (by default the SQLite file in the user cache dir) and a warning for the user, if any.
+
+    The store repairs itself (a corrupt file is moved aside and rebuilt, a locked one skipped for a moment); when
+    it cannot be opened at all the app runs without L3 and says so."""
+    try:
+        store = open_l3(spec, paths)
+    except Exception as exc:   # noqa: BLE001 - an optimisation must never keep the app from starting
+        log.warning("the persistent FFN cache could not be opened (%s); running without it", exc, exc_info=True)
+        return None, f"the persistent FFN cache (L3) could not be opened: {exc}. The app runs without it."
+    if store is None:
+        return None, None
+    errors = store.status().get("errors", {})
+    if "unrecoverable" in errors:
+        return store, (f"the persistent FFN cache (L3) at {store.where} cannot be used; the app runs without it "
+                       "this time (details in the log file).")
+    if "corrupt" in errors:
+        return store, (f"the persistent FFN cache (L3) at {store.where} was damaged: it was moved aside and "
+                       "started afresh.")
+    if errors:
+        return store, (f"the persistent FFN cache (L3) at {store.where} is busy or failing "
+                       f"({', '.join(sorted(errors))}); it is skipped while that lasts (details in the log file).")
+    return store, None
+
+
 def _log_uncaught(exc_type, exc, tb) -> None:
     # PySide prints exceptions raised in slots and carries on; keep them in the log file too.
     log.error("uncaught exception", exc_info=(exc_type, exc, tb))
@@ -53,15 +79,22 @@ def run_app(args) -> int:
     app.setApplicationName("larql-desktop")
     app.setOrganizationName("larql-desktop")
     settings = open_settings(paths)
-    client = EngineClient(paths, threads=args.threads)
+    l3, warning = open_persistent_cache(paths)
+    client = EngineClient(paths, threads=args.threads, l3=l3)
     window = MainWindow(client, settings, app)
     window.show()
+    if warning:
+        window.show_warning(warning)
     window.load_model(args.model)
-    log.info("started; settings in %s, logs in %s", settings.fileName(), paths.log)
+    log.info("started; settings in %s, logs in %s, L3 %s", settings.fileName(), paths.log,
+             l3.where if l3 is not None else "off")
     try:
         return app.exec()
     finally:
-        client.shutdown()   # closeEvent already did this unless the loop ended another way
+        window.server.shutdown()   # closeEvent already did these two unless the loop ended another way
+        client.shutdown()
+        if l3 is not None:
+            l3.close()          # after the engine thread has ended: nothing uses it any more
         sys.excepthook = previous_hook
         logging.getLogger().removeHandler(log_handler)
         log_handler.close()

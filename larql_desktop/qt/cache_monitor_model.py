@@ -36,7 +36,8 @@ def cache_counts(before: StatsSnapshot | None, after: StatsSnapshot) -> CacheCou
 
 
 def final_misses(snapshot: StatsSnapshot) -> np.ndarray:
-    """Per layer, decode lookups that missed every enabled tier.
+    """Per layer, decode lookups that missed every enabled tier, inferred from per-tier counts (for snapshots
+    without `full_misses`).
 
     A lookup tries the tiers in order (L1, L2, …) and goes on only after a miss, so a tier's misses that the
     next tier did not see (hits + misses) ended there, and the last tier's misses all did. With a tier
@@ -147,11 +148,13 @@ class MonitorModel:
     # --- per layer, from the latest process-wide snapshot ---
 
     def per_layer(self) -> dict[str, np.ndarray]:
-        """Arrays of length n_layers: L1/L2 hits, misses, bypasses, entries and KiB per tier."""
+        """Arrays of length n_layers: hits, entries and KiB per tier, misses (lookups that missed every tier
+        they consulted: exact when the snapshot counts them, else inferred from the per-tier counts), bypasses."""
         if self.latest is None:
             return {}
         snap = self.latest.process
-        out = {"misses": final_misses(snap), "bypasses": sum(snap.bypasses.values())}
+        misses = snap.full_misses if snap.full_misses is not None else final_misses(snap)
+        out = {"misses": misses, "bypasses": sum(snap.bypasses.values())}
         for name, tier in snap.tiers.items():
             out[f"{name} hits"] = tier.hits
             out[f"{name} entries"] = tier.entries

@@ -6,9 +6,11 @@ be read and tested on their own.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from ..engine.engine import LarqlEngine
 from ..engine.insert import Fact, Progress
+from ..engine.l3 import L3Settings
 from ..engine.patches import PatchOverlay
 from ..engine.session import ChatSession
 from .protocol import (CacheSettings, CacheStatsEvent, InsertFact, InsertFinished, LoadPatchFile, PatchesChanged,
@@ -18,7 +20,8 @@ PROBE_TOKENS = 8
 
 
 def engine_settings(engine: LarqlEngine) -> CacheSettings:
-    return CacheSettings(engine.walk_settings, engine.l1_settings, engine.l2.settings)
+    l3 = engine.l3.settings if engine.l3 is not None else replace(L3Settings(), enabled=False)
+    return CacheSettings(engine.walk_settings, engine.l1_settings, engine.l2.settings, l3)
 
 
 def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
@@ -26,7 +29,7 @@ def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
     return CacheStatsEvent(engine_id, time.monotonic(), session_id, engine.snapshot(),
                            engine.session_snapshot(session) if session is not None else None,
                            tuple(engine.patches.overridden_layers), engine_settings(engine),
-                           engine.model.config.n_layers)
+                           engine.model.config.n_layers, engine.l3.status() if engine.l3 is not None else None)
 
 
 def patches_changed(engine: LarqlEngine, request_id: int) -> PatchesChanged:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import (QApplication, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QLabel,
-                               QMainWindow, QProgressBar, QPushButton, QTabWidget, QToolButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout,
+                               QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from ..engine.catalog import PACKAGED_MODELS
 from .protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats, TokenEvent
@@ -20,6 +20,7 @@ from .qt_patch_editor import PatchEditor
 from .qt_sampling_panel import SamplingPanel
 from .qt_theme import apply_theme
 from .reply_stats import format_load_progress, format_reply_stats
+from .server_control import DEFAULT_PORT, HOST, ServerController
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class MainWindow(QMainWindow):
         self._build_model_picker()
         self._build_central()
         self._build_status_bar()
+        self.server = ServerController(parent=self)
+        self.server.changed.connect(self._on_server_changed)
+        self.serve_action.toggled.connect(self._on_serve_toggled)
 
         client.model_loaded.connect(self._on_model_loaded)
         client.load_progress.connect(self._on_load_progress)
@@ -126,6 +130,11 @@ class MainWindow(QMainWindow):
                                               "Generate the last reply again")
         self.dark_theme_action = self._action("&Dark theme", self.set_dark_theme)
         self.dark_theme_action.setCheckable(True)
+        # Connected to _on_serve_toggled once the controller exists (restoring the setting may check it).
+        self.serve_action = self._action(f"Serve HTTP &API on {HOST}", lambda: None,
+                                         tip="Serve the loaded model's walk FFN, cache statistics and patches "
+                                             "over HTTP (the same L2 cache as the chats)")
+        self.serve_action.setCheckable(True)
 
     def _build_menus(self) -> None:
         bar = self.menuBar()
@@ -140,6 +149,8 @@ class MainWindow(QMainWindow):
         view_menu = bar.addMenu("&View")
         view_menu.addAction(self.dark_theme_action)
         self.panels_menu = view_menu.addMenu("&Panels")
+        server_menu = bar.addMenu("&Server")
+        server_menu.addAction(self.serve_action)
 
     def _build_model_picker(self) -> None:
         toolbar = self.addToolBar("Model")
@@ -190,6 +201,24 @@ class MainWindow(QMainWindow):
         self.model_label.setAccessibleName("Loaded model")
         self.statusBar().addPermanentWidget(self.progress)
         self.statusBar().addPermanentWidget(self.model_label)
+        # The HTTP API toggle (the same state as Server > Serve HTTP API), its port and where it answers.
+        self.serve_box = QCheckBox(f"Serve HTTP API on {HOST}")
+        self.serve_box.setAccessibleName("Serve HTTP API")
+        self.serve_box.setToolTip(self.serve_action.toolTip())
+        self.serve_box.toggled.connect(self.serve_action.setChecked)
+        self.serve_action.toggled.connect(self.serve_box.setChecked)
+        self.server_port = QSpinBox(minimum=0, maximum=65535)
+        self.server_port.setValue(DEFAULT_PORT)
+        self.server_port.setSpecialValueText("any port")
+        self.server_port.setPrefix("port ")
+        self.server_port.setAccessibleName("HTTP API port")
+        self.server_port.setToolTip("TCP port on 127.0.0.1 (0: any free port); fixed while serving")
+        self.server_label = QLabel("")
+        self.server_label.setAccessibleName("HTTP API address")
+        self.server_label.setTextInteractionFlags(Qt.TextBrowserInteraction)
+        self.server_label.setOpenExternalLinks(True)
+        for widget in (self.serve_box, self.server_port, self.server_label):
+            self.statusBar().addPermanentWidget(widget)
 
     def add_panel(self, title: str, widget: QWidget, area: Qt.DockWidgetArea = Qt.RightDockWidgetArea,
                   shortcut: str | None = None) -> QDockWidget:
@@ -337,6 +366,9 @@ class MainWindow(QMainWindow):
         if tab is not None:
             tab.input.setFocus()
         self._on_current_chat_changed()
+        if self.serve_action.isChecked():
+            # The old engine (and its sessions) is gone: serve the new one, with the same port.
+            self.server.start(self.client.engine, self.server_port.value())
 
     @Slot(str, float)
     def _on_load_progress(self, message: str, fraction: float) -> None:
@@ -386,11 +418,49 @@ class MainWindow(QMainWindow):
         if index >= 0:
             self.tabs.setTabText(index, f"{tab.title} …" if busy else tab.title)
 
+    # --- HTTP API ---
+
+    @Slot(bool)
+    def _on_serve_toggled(self, on: bool) -> None:
+        if on and self.client.engine is not None and self.client.model is not None:
+            self.server.start(self.client.engine, self.server_port.value())
+        elif not on and (self.server.running or self.server.starting):
+            self.server.stop()
+            self.statusBar().showMessage("HTTP API stopped", 10_000)
+        self._on_server_changed()
+
+    @Slot()
+    def _on_server_changed(self) -> None:
+        server = self.server
+        self.server_port.setEnabled(not (server.running or server.starting))
+        if server.url:
+            self.server_label.setText(f"<a href='{server.url}/docs'>{server.url}</a>")
+            self.server_label.setToolTip(f"The HTTP API of {self.client.model.display_name if self.client.model else ''}"
+                                         f"; API description at {server.url}/openapi.json")
+            self.statusBar().showMessage(f"Serving the HTTP API on {server.url}", 10_000)
+        elif server.starting:
+            self.server_label.setText("starting…")
+        elif self.serve_action.isChecked() and server.error:
+            port = self.server_port.value()
+            self.server_label.setText("")
+            self.serve_action.setChecked(False)
+            self.show_error(f"HTTP API: could not serve on {HOST}:{port or 'any port'}: {server.error}")
+        elif self.serve_action.isChecked():
+            self.server_label.setText("waits for a model")
+        else:
+            self.server_label.setText("")
+
     # --- errors and state ---
 
     def show_error(self, text: str) -> None:
         log.info("shown to the user: %s", text)
         self.error_banner.show_message(text)
+        self.statusBar().showMessage(text, 15_000)
+
+    def show_warning(self, text: str) -> None:
+        """Something the app works around (e.g. no persistent cache): the banner, as errors, so it is read."""
+        log.warning("shown to the user: %s", text)
+        self.error_banner.show_message(f"Warning: {text}")
         self.statusBar().showMessage(text, 15_000)
 
     @Slot(object)
@@ -438,6 +508,13 @@ class MainWindow(QMainWindow):
         self.sampling.restore(s)
         self.monitor.restore(s)
         self.patch_editor.restore(s)
+        try:
+            port = int(s.value("server/port", DEFAULT_PORT))
+        except (TypeError, ValueError):
+            port = DEFAULT_PORT
+        self.server_port.setValue(port if 0 <= port <= 65535 else DEFAULT_PORT)
+        # Serving resumes on launch (once the model has loaded) only if it was on when the app last closed.
+        self.serve_action.setChecked(str(s.value("server/enabled", "false")).lower() == "true")
 
     def save_settings(self) -> None:
         s = self.settings
@@ -450,12 +527,16 @@ class MainWindow(QMainWindow):
             except ValueError:
                 pass   # unsaveable values keep the previous ones
         self.patch_editor.save(s)
+        s.setValue("server/enabled", self.serve_action.isChecked())
+        s.setValue("server/port", self.server_port.value())
         s.sync()
 
     def closeEvent(self, event: QCloseEvent) -> None:
         if not self._closed:
             self._closed = True
             self.save_settings()
+            # The HTTP API serves the engine from its own threads: stop it while the engine is still whole.
+            self.server.shutdown()
             # Stops a reply at its next token, ends the engine thread and waits for it: a QThread still
             # running when Python tears down aborts the process.
             self.client.shutdown()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..engine.ffn_cache import StatsSnapshot, TierSettings, WalkSettings
 from ..engine.generation import SamplingSettings, TokenStep
+from ..engine.l3 import L3Settings
 from .reply_stats import ReplyStats
 
 
@@ -52,10 +53,12 @@ class CloseSession:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """Everything the cache monitor controls: the walk FFN and both tiers (each validated by the engine)."""
+    """Everything the cache monitor controls: the walk FFN, the in-memory tiers (each validated by the engine)
+    and the persistent L3 (applied only when the app has an L3 store: without one it stays off)."""
     walk: WalkSettings = WalkSettings()
     l1: TierSettings = TierSettings()
     l2: TierSettings = TierSettings()
+    l3: L3Settings = L3Settings()
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class ConfigureCache:
 @dataclass(frozen=True)
 class ClearCaches:
     request_id: int
+    persistent: bool = False  # True: the persistent L3 store as well as L1 and L2
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class CacheStatsEvent:
     patched_layers: tuple[int, ...]
     settings: CacheSettings
     n_layers: int
+    l3_status: dict | None = None   # L3Store.status() (backend, where, errors…); None: no L3 store attached
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QWidget)
 
 from ..engine.ffn_cache import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings
+from ..engine.l3 import L3Settings
 from .cache_monitor_model import MonitorModel, stats_csv, stats_json
 from .protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
 from .worker import EngineClient
 
 REFRESH_HZ = 20
-# The tiers this app configures (the engine's optional persistent L3 is not attached by the desktop app).
-CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2"))
-TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e")))
+# L1 (per chat), L2 (per process) and the persistent L3 (when the app has a store: on by default).
+CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2", "L3"))
+TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
 OUTCOME_COLOURS = {"hit": "#2ca02c", "miss": "#d62728", "bypass": "#9467bd", "dense": "#7f7f7f"}
 BAR_COLOURS = {**{f"{t} hits": c for t, c in TIER_COLOURS.items()}, "misses": "#d62728", "bypasses": "#9467bd"}
 BAR_KEYS = {**{f"{t} hit": c for t, c in TIER_COLOURS.items()}, "miss": "#d62728", "bypass": "#9467bd",
@@ -86,7 +87,10 @@ class CacheMonitor(QWidget):
         left.addWidget(self.charts, 1)
         left.addWidget(self.summary)
         layout.addLayout(left, 1)
-        layout.addWidget(self.controls_area)
+        right = QVBoxLayout()
+        right.addWidget(self.controls_area, 1)
+        right.addWidget(self.buttons)
+        layout.addLayout(right)
         client.stats.connect(self._on_stats)
         client.model_loaded.connect(self._on_model_loaded)
         client.busy_changed.connect(self._update_enabled)
@@ -178,7 +182,7 @@ class CacheMonitor(QWidget):
         self.layer_bars = self._bar_stack(self.layer_plot, BAR_COLOURS)
         self.entries_plot = self._plot(1, 1, "Entries per layer", "entries", "layer", TIER_COLOURS)
         self.entry_bars = self._bar_stack(self.entries_plot, TIER_COLOURS)
-        self.memory_plot = self._plot(1, 2, "Memory per layer", "KiB", "layer", TIER_COLOURS)
+        self.memory_plot = self._plot(1, 2, "Bytes per layer", "KiB", "layer", TIER_COLOURS)
         self.memory_bars = self._bar_stack(self.memory_plot, TIER_COLOURS)
         self.summary = QLabel("No statistics yet: load a model and send a prompt.")
         self.summary.setWordWrap(True)
@@ -188,6 +192,26 @@ class CacheMonitor(QWidget):
     def _build_controls(self) -> None:
         self.l1 = TierControls("L1")
         self.l2 = TierControls("L2")
+        # The persistent L3 is the tier grid's third column: enabled, size cap (it evicts least recently used
+        # entries by bytes, not keys per layer) and fp16 storage.
+        self.l3_enabled = QCheckBox("on")
+        self.l3_enabled.setAccessibleName("L3 cache enabled")
+        self.l3_enabled.setToolTip("Consult and fill the persistent cache after L2 (it survives restarts)")
+        self.l3_max_mb = QSpinBox(minimum=1, maximum=1 << 24, singleStep=64, suffix=" MiB")
+        self.l3_max_mb.setAccessibleName("L3 size cap")
+        self.l3_max_mb.setToolTip("L3 size cap: least recently used entries are evicted beyond it")
+        self.l3_fp16 = QCheckBox("fp16")
+        self.l3_fp16.setAccessibleName("L3 stores fp16")
+        self.l3_fp16.setToolTip("L3 evicts least recently used entries; fp16 values take half the bytes, "
+                                "at a small rounding error")
+        self.l3_where = QLabel()
+        self.l3_where.setAccessibleName("L3 location")
+        self.l3_where.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.clear_l3_button = QPushButton("Clear L3")
+        self.clear_l3_button.setAccessibleName("Clear persistent cache")
+        self.clear_l3_button.setToolTip("Clear the persistent cache: empty the L3 store on disk (and L1, L2)")
+        self.clear_l3_button.clicked.connect(self.clear_persistent)
+        self._set_l3_settings(L3Settings())
         walk = QGroupBox("Walk FFN")
         self.dense = QCheckBox("Dense FFN (no walk, no cache)")
         self.dense.setAccessibleName("Dense FFN")
@@ -238,19 +262,24 @@ class CacheMonitor(QWidget):
             grid.addWidget(tier.policy, 3, col)
         for row, text in enumerate(("Enabled", "Capacity", "Eviction"), start=1):
             grid.addWidget(QLabel(text), row, 0)
+        # The persistent L3 under them: it has no per-layer capacity (a size cap, least recently used evicted).
+        self.l3_header = QLabel("<b>L3</b> disk")
+        self.l3_header.setToolTip("Persistent cache on disk, shared by every run of the app")
+        grid.addWidget(self.l3_header, 4, 0)
+        grid.addWidget(self.l3_enabled, 4, 1)
+        grid.addWidget(self.l3_fp16, 4, 2)
+        grid.addWidget(QLabel("Size cap"), 5, 0)
+        grid.addWidget(self.l3_max_mb, 5, 1, 1, 2)
+        grid.addWidget(self.l3_where, 6, 0, 1, 3)
         buttons = QGridLayout()
-        for i, button in enumerate((self.apply_button, self.clear_button, self.reset_button,
+        for i, button in enumerate((self.apply_button, self.reset_button, self.clear_button, self.clear_l3_button,
                                     self.export_stats_button, self.export_charts_button)):
-            if i == 0:
-                buttons.addWidget(button, 0, 0, 1, 2)
-            else:
-                buttons.addWidget(button, 1 + (i - 1) // 2, (i - 1) % 2)
+            buttons.addWidget(button, i // 2, i % 2)
         box = QWidget()
         column = QVBoxLayout(box)
         column.setContentsMargins(0, 0, 0, 0)
         column.addWidget(walk)
         column.addWidget(tiers)
-        column.addLayout(buttons)
         column.addStretch(1)
         self.controls_area = QScrollArea()
         self.controls_area.setWidget(box)
@@ -261,6 +290,11 @@ class CacheMonitor(QWidget):
                                          + self.controls_area.verticalScrollBar().sizeHint().width() + 4)
         self.controls_area.setSizePolicy(QSizePolicy.Fixed, QSizePolicy.Expanding)
         self.controls_area.setAccessibleName("Cache settings")
+        # The actions stay in view under the (scrolling) settings.
+        self.buttons = QWidget()
+        self.buttons.setLayout(buttons)
+        buttons.setContentsMargins(0, 0, 0, 0)
+        self.buttons.setFixedWidth(self.controls_area.width())
 
     # --- settings ---
 
@@ -269,7 +303,14 @@ class CacheMonitor(QWidget):
         walk = WalkSettings(top_k=self.top_k.value() or None, dense=self.dense.isChecked(),
                             key_width=self.key_width.value() or None,
                             cosine_guard=self.guard.value() or None, verify_fraction=self.verify.value())
-        return CacheSettings(walk, self.l1.settings(), self.l2.settings())
+        l3 = L3Settings(self.l3_enabled.isChecked(), self.l3_max_mb.value() << 20,
+                        "float16" if self.l3_fp16.isChecked() else "float32")
+        return CacheSettings(walk, self.l1.settings(), self.l2.settings(), l3)
+
+    def _set_l3_settings(self, s: L3Settings) -> None:
+        self.l3_enabled.setChecked(s.enabled)
+        self.l3_max_mb.setValue(max(1, s.max_bytes >> 20))
+        self.l3_fp16.setChecked(s.dtype == "float16")
 
     def set_cache_settings(self, c: CacheSettings) -> None:
         w = c.walk
@@ -280,6 +321,7 @@ class CacheMonitor(QWidget):
         self.verify.setValue(w.verify_fraction)
         self.l1.set_settings(c.l1)
         self.l2.set_settings(c.l2)
+        self._set_l3_settings(c.l3)
 
     def save(self, store: QSettings, group: str = "cache") -> None:
         c = self.cache_settings()
@@ -291,6 +333,9 @@ class CacheMonitor(QWidget):
             store.setValue(f"{name}_enabled", t.enabled)
             store.setValue(f"{name}_capacity", t.capacity)
             store.setValue(f"{name}_policy", t.policy)
+        store.setValue("l3_enabled", c.l3.enabled)
+        store.setValue("l3_max_mb", c.l3.max_bytes >> 20)
+        store.setValue("l3_fp16", c.l3.dtype == "float16")
         store.setValue("last_dir", self._last_dir)
         store.endGroup()
 
@@ -305,7 +350,10 @@ class CacheMonitor(QWidget):
             tiers = [TierSettings(_settings_value(store, f"{n}_enabled", bool, True),
                                   _settings_value(store, f"{n}_capacity", int, TierSettings().capacity),
                                   _settings_value(store, f"{n}_policy", str, "drop")) for n in ("l1", "l2")]
-            self.set_cache_settings(CacheSettings(walk, *tiers))
+            l3 = L3Settings(_settings_value(store, "l3_enabled", bool, True),
+                            _settings_value(store, "l3_max_mb", int, L3Settings().max_bytes >> 20) << 20,
+                            "float16" if _settings_value(store, "l3_fp16", bool, False) else "float32")
+            self.set_cache_settings(CacheSettings(walk, *tiers, l3))
         except ValueError:
             self.set_cache_settings(CacheSettings())   # stored values the engine refuses: defaults
         self._last_dir = str(store.value("last_dir", self._last_dir))
@@ -325,6 +373,10 @@ class CacheMonitor(QWidget):
     @Slot()
     def clear_caches(self) -> None:
         self.client.submit(ClearCaches(self.client.next_request_id()))
+
+    @Slot()
+    def clear_persistent(self) -> None:
+        self.client.submit(ClearCaches(self.client.next_request_id(), persistent=True))
 
     @Slot()
     def reset_stats(self) -> None:
@@ -390,6 +442,20 @@ class CacheMonitor(QWidget):
         loaded = self.client.model is not None
         for button in (self.clear_button, self.reset_button):
             button.setEnabled(loaded)
+        has_l3 = self.client.l3 is not None
+        for widget in (self.l3_enabled, self.l3_max_mb, self.l3_fp16, self.clear_l3_button):
+            widget.setEnabled(has_l3)
+        if not has_l3:
+            self.l3_where.setText("L3: none in this run")
+            self.l3_where.setToolTip("The app runs without a persistent cache (see the log file)")
+        elif not self.l3_where.text():
+            self._show_l3_status(self.client.l3.status())
+
+    def _show_l3_status(self, status: dict) -> None:
+        errors = status.get("errors") or {}
+        name = Path(str(status.get("where", ""))).name or status.get("where", "")
+        self.l3_where.setText(f"L3: {status.get('backend', '?')} · {name}" + (" · problems" if errors else ""))
+        self.l3_where.setToolTip(_l3_where(status))
 
     @Slot()
     def _on_timer(self) -> None:
@@ -444,9 +510,13 @@ class CacheMonitor(QWidget):
         self._update_titles(event)
 
     def _update_titles(self, event: CacheStatsEvent) -> None:
-        kib = sum(float(event.process.tiers[t].bytes.sum()) for t in CHART_TIERS) / 1024
-        self._set_title(self.memory_plot, f"Memory per layer ({kib / 1024:.1f} MiB)")
+        tiers = event.process.tiers
+        ram = sum(float(tiers[t].bytes.sum()) for t in ("L1", "L2") if t in tiers) / (1 << 20)
+        disk = float(tiers["L3"].bytes.sum()) / (1 << 20) if "L3" in tiers else 0.0
+        self._set_title(self.memory_plot, f"Bytes (RAM {ram:.1f} · L3 {disk:.1f} MiB)")
         self.summary.setText(summary_text(event))
+        if event.l3_status is not None:
+            self._show_l3_status(event.l3_status)
 
 
 def _scope_text(label: str, snap) -> str:
@@ -456,6 +526,12 @@ def _scope_text(label: str, snap) -> str:
                        for name in snap.tiers if snap.tiers[name].enabled or name in CHART_TIERS)
     return (f"<b>{label}</b>: {snap.calls} FFN calls · {snap.lookups} decode lookups · hit rate {tiers} · "
             f"{snap.bypass_total} bypasses")
+
+
+def _l3_where(status: dict) -> str:
+    errors = status.get("errors") or {}
+    problems = f" · problems: {', '.join(f'{k} ×{n}' for k, n in sorted(errors.items()))}" if errors else ""
+    return f"{status.get('backend', '?')}: {status.get('where', '')}{problems}"
 
 
 def summary_text(event: CacheStatsEvent) -> str:
@@ -471,4 +547,11 @@ def summary_text(event: CacheStatsEvent) -> str:
                 f"max |error| {f.max_abs_error:.3g}, stale {f.max_stale_error:.3g}" if f.checked
                 else "no hits verified (set a verify fraction)")
     lines.append(f"{mode} · patched layers: {patched} · {fidelity}")
+    l3 = event.process.tiers.get("L3")
+    if event.l3_status is None:
+        lines.append("L3: no persistent cache in this run")
+    elif l3 is not None:
+        state = "on" if event.l3_status.get("enabled") else "off"
+        lines.append(f"L3 ({state}, {event.l3_status.get('backend', '?')}): {int(l3.entries.sum())} entries, "
+                     f"{l3.bytes.sum() / (1 << 20):.1f} MiB on disk (every model's)")
     return "<br>".join(lines)

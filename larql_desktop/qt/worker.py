@@ -9,7 +9,8 @@ generator itself), so stopping is a `threading.Event` carried by the request and
 tokens, and queued requests simply wait their turn (an INSERT likewise).
 
 Each loaded model gets one `LarqlEngine` (shared L2 cache, process-wide statistics); each chat is one of its
-sessions. While a reply streams, the worker emits a stats snapshot at most every STATS_INTERVAL seconds and
+sessions. The persistent L3 store, if the app opened one, is given to the worker and attached to every engine it
+builds (the worker never closes it: whoever opened it does, after the thread has ended). While a reply streams, the worker emits a stats snapshot at most every STATS_INTERVAL seconds and
 once at its end; the monitor redraws on its own timer, never per token.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -25,6 +27,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from ..engine.catalog import PACKAGED_MODELS
 from ..engine.engine import LarqlEngine
 from ..engine.generation import TokenStep
+from ..engine.l3 import L3Store
 from ..engine.paths import AppPaths
 from ..engine.runtime import LoadedModel, load_model
 from ..engine.session import ChatSession
@@ -65,9 +68,10 @@ class EngineWorker(QObject):
     stats = Signal(object)               # CacheStatsEvent
     event = Signal(object)               # any other frozen snapshot (patches, INSERT progress, probes…)
 
-    def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model):
+    def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None):
         super().__init__()
         self._paths = paths
+        self.l3 = l3
         self._loader = loader
         self._shutdown = threading.Event()
         self.model: LoadedModel | None = None
@@ -145,11 +149,11 @@ class EngineWorker(QObject):
         model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress)
         c = self.cache_settings
         try:
-            engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2)
+            engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2, l3=self.l3)
         except ValueError:   # e.g. a K the previous model allowed but this one has not: start from defaults
             log.info("cache settings %s do not fit %s; using the defaults", c, model.name)
-            self.cache_settings = CacheSettings()
-            engine = LarqlEngine(model)
+            self.cache_settings = replace(CacheSettings(), l3=c.l3)
+            engine = LarqlEngine(model, l3=self.l3)
         # Only a successful load replaces the old model; the sessions (and patches) belonged to the old one.
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
@@ -199,12 +203,19 @@ class EngineWorker(QObject):
     def _configure_cache(self, request: ConfigureCache) -> None:
         c = request.settings
         if self.engine is not None:
-            self.engine.configure(walk=c.walk, l1=c.l1, l2=c.l2)   # ValueError: nothing changes
+            # Without an L3 store the L3 settings have nothing to apply to (the monitor shows L3 unavailable).
+            self.engine.configure(walk=c.walk, l1=c.l1, l2=c.l2,
+                                  l3=c.l3 if self.engine.l3 is not None else None)   # ValueError: nothing changes
+        elif self.l3 is not None:
+            self.l3.configure(c.l3)
         self.cache_settings = c
         self._emit_stats()
 
     def _clear_caches(self, request: ClearCaches) -> None:
-        self._engine().clear_caches()
+        if self.engine is None and request.persistent and self.l3 is not None:
+            self.l3.clear()   # the persistent store needs no model
+            return
+        self._engine().clear_caches(persistent=request.persistent)
         self._emit_stats()
 
     def _reset_stats(self, request: ResetStats) -> None:
@@ -306,7 +317,7 @@ class EngineClient(QObject):
     _submit = Signal(object)
 
     def __init__(self, paths: AppPaths, threads: int = 2, loader: Callable[..., LoadedModel] = load_model,
-                 parent: QObject | None = None):
+                 parent: QObject | None = None, l3: L3Store | None = None):
         super().__init__(parent)
         self.threads = threads
         self.model: ModelInfo | None = None
@@ -315,7 +326,8 @@ class EngineClient(QObject):
         self._generation: SendPrompt | Regenerate | None = None   # the reply in flight, if any
         self._thread = QThread()
         self._thread.setObjectName("larql-engine")
-        self.worker = EngineWorker(paths, loader)
+        self.l3 = l3   # the persistent tier the worker attaches to every engine (closed by its opener)
+        self.worker = EngineWorker(paths, loader, l3)
         self.worker.moveToThread(self._thread)
         self._submit.connect(self.worker.handle)
         self.worker.model_loaded.connect(self._on_model_loaded)
@@ -345,6 +357,12 @@ class EngineClient(QObject):
 
     def is_running(self) -> bool:
         return self._thread.isRunning()
+
+    @property
+    def engine(self) -> LarqlEngine | None:
+        """The loaded model's engine, for serving it over HTTP only (its walk, L2, L3 and statistics are
+        thread-safe; chats and settings go through requests). Set before `model_loaded` is relayed."""
+        return self.worker.engine
 
     # --- requests ---
 
