@@ -277,29 +277,31 @@ class MainWindow(QMainWindow):
         if tab is not None and self.client.model is not None and self.client.is_running():
             self.client.submit(RequestStats(self.client.next_request_id(), tab.session_id))
 
+    def _sampling_settings(self):
+        """The panel's settings, or None after showing why they were refused."""
+        try:
+            return self.sampling.settings()
+        except ValueError as exc:
+            self.show_error(f"Sampling settings: {exc}")
+            return None
+
     @Slot()
     def send(self) -> None:
         tab = self.current_tab()
         if tab is None or not self.client.ready:
             return
-        try:
-            settings = self.sampling.settings()
-        except ValueError as exc:
-            self.show_error(f"Sampling settings: {exc}")
-            return
-        self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings)
+        settings = self._sampling_settings()
+        if settings is not None:
+            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings)
 
     @Slot()
     def regenerate(self) -> None:
         tab = self.current_tab()
         if tab is None or not self.client.ready or not tab.transcript.can_regenerate:
             return
-        try:
-            settings = self.sampling.settings()
-        except ValueError as exc:
-            self.show_error(f"Sampling settings: {exc}")
-            return
-        self.client.regenerate(tab.session_id, settings)
+        settings = self._sampling_settings()
+        if settings is not None:
+            self.client.regenerate(tab.session_id, settings)
 
     @Slot()
     def stop(self) -> None:
