@@ -204,23 +204,12 @@ def cmd_patch(args) -> int:
 
 def cmd_self_test(args) -> int:
     """Load the model, generate, check the cache, and start Qt offscreen: checks an install or a build."""
-    import os
-
     from .engine.paths import AppPaths
     from .engine.selftest import run_self_test
+    from .qt.smoke import qt_smoke_test
 
     run_self_test(AppPaths.from_environment().ensure(), args.model, threads=args.threads)
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from PySide6.QtWidgets import QApplication
-    import pyqtgraph
-
-    app = QApplication.instance() or QApplication([])
-    plot = pyqtgraph.PlotWidget()
-    plot.plot([0, 1, 2], [1, 0, 1])
-    plot.show()
-    app.processEvents()
-    plot.close()
-    print(f"Qt {app.platformName()} platform and pyqtgraph work")
+    print(f"Qt {qt_smoke_test()} platform and pyqtgraph work")
     print("self-test passed")
     return 0
 
