@@ -95,7 +95,9 @@ def test_insert_changes_the_probe_and_a_reply_bypasses_exactly_that_layer(loaded
     loaded.monitor.reset_button.click()
     wait_for_stats(qtbot, loaded, lambda e: e.process.calls == 0)
     _, finished = send(qtbot, loaded, "Tell me about the weather.", max_tokens=8)
-    event = wait_for_stats(qtbot, loaded, lambda e: e.process.calls > 0)
+    # Snapshots stream during the reply (at most every 0.1 s); wait for the one that covers all of it.
+    every_call = (finished.stats.decode_tokens + 1) * loaded.client.model.n_layers   # prefill + decode calls
+    event = wait_for_stats(qtbot, loaded, lambda e: e.process.calls >= every_call)
     patched = event.process.bypasses["patched"]
     assert patched[layer] == finished.stats.decode_tokens > 0   # every single-token call at that layer
     assert np.flatnonzero(patched).tolist() == [layer]
