@@ -248,9 +248,24 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def display_problem(env=None) -> str | None:
+    """Why a window cannot open here, before Qt aborts with a cryptic platform-plugin message."""
+    import os
+
+    env = os.environ if env is None else env
+    if sys.platform.startswith("linux") and not (env.get("QT_QPA_PLATFORM") or env.get("DISPLAY")
+                                                 or env.get("WAYLAND_DISPLAY")):
+        return ("no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set): run it in a "
+                "desktop session, or check a headless install with `larql-desktop --self-test`")
+    return None
+
+
 def cmd_gui(args) -> int:
     if args.self_test:
         return cmd_self_test(args)
+    problem = display_problem()
+    if problem:
+        raise OSError(problem)
     from .qt.app import run_app
 
     return run_app(args)

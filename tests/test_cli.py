@@ -89,3 +89,11 @@ def test_hitrates_refuses_a_malformed_file(tmp_path):
     bad.write_text('{"scenarios": {"mystery": {}}}')
     result = run_cli("hitrates", "--scenarios", str(bad))
     assert result.returncode != 0 and "unknown scenario" in result.stderr
+
+
+def test_app_without_a_display_says_what_to_do():
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    result = subprocess.run([sys.executable, "-m", "larql_desktop"], capture_output=True, text=True, timeout=120,
+                            env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2
+    assert "no display" in result.stderr and "--self-test" in result.stderr
