@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine.engine import LarqlEngine
-from .engine.ffn_cache import is_full_k, select_features
+from .engine.ffn_cache import is_full_k
 from .engine.insert import Fact
 from .engine.patches import PatchError
 
@@ -283,18 +283,15 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         if not np.isfinite(x).all():
             refuse("residual contains NaN or infinity (or a value beyond float32)")
         started = time.perf_counter()
+        walk = engine.request_walk(top_k)
         if not req.full_output:
-            scores = engine.model.ffn.gate_scores(req.layer, x)
-            feats, vals = [], []
-            for t in range(scores.shape[0]):
-                chosen = select_features(scores[t], min(top_k, cfg.intermediate))
-                chosen = chosen[np.argsort(-np.abs(scores[t, chosen]), kind="stable")]
-                feats.append(chosen.tolist())
-                vals.append(scores[t, chosen].tolist())
+            # The gate KNN as the walk sees it: under INSERT patches, with the overrides that hold their slots.
+            knn = walk.gate_knn(req.layer, x)
+            feats = [ids.tolist() for ids, _ in knn]
+            vals = [scores.tolist() for _, scores in knn]
             return {"layer": req.layer, "top_k": top_k, "positions": len(rows), "cache": "none", "hit": False,
                     "features": feats[0] if single else feats, "scores": vals[0] if single else vals,
                     "seconds": time.perf_counter() - started}
-        walk = engine.request_walk(top_k)
         out = walk(req.layer, x)
         outcome = walk.last_outcome
         output = out[0].tolist() if single else out.tolist()

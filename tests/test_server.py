@@ -83,6 +83,32 @@ def test_features_only_and_multi_position_requests(served, smollm2):
         assert r.json()["cache"] == "dense" and r.json()["bypass_reason"] == "full_k"
 
 
+def test_features_only_sees_insert_overrides(served, smollm2):
+    """The gate KNN the API reports is the walk's: an inserted feature that fires on this input is listed
+    with its patched score; one that stays silent leaves its slot's base feature in place."""
+    engine, handle = served
+    x = _residual(smollm2, 2)
+    d, top_k = smollm2.config.hidden, 8
+    base = smollm2.ffn.gate_scores(2, x[None, :])[0]
+    quiet = int(np.argsort(np.abs(base))[0])               # a slot the base ranking never picks
+    silent = int(np.argsort(-np.abs(base))[0])              # the base ranking's strongest feature
+    unit = x / np.linalg.norm(x)
+    vec = encode_vector(np.ones(d, np.float32))
+    doc = {"version": 1, "base_model": smollm2.name, "base_checksum": smollm2.checksum, "operations": [
+        {"op": "insert", "layer": 2, "feature": quiet, "entity": "e", "relation": "r", "target": "t",
+         "gate": encode_vector(unit * 1000), "up": vec, "down": vec, "gate_bias": -1.0},
+        {"op": "insert", "layer": 2, "feature": silent, "entity": "e", "relation": "r", "target": "t",
+         "gate": encode_vector(-unit), "up": vec, "down": vec, "gate_bias": -1.0}]}
+    with httpx.Client(base_url=handle.url) as http:
+        assert http.post("/v1/patches", json=doc).status_code == 201
+        r = http.post("/v1/walk-ffn", json={"layer": 2, "residual": x.tolist(), "top_k": top_k, "full_output": False})
+    features, scores = r.json()["features"], r.json()["scores"]
+    patched = float(x @ (unit * 1000) - 1.0)
+    assert features[0] == quiet and np.isclose(scores[0], patched, rtol=1e-4)   # fires, strongest
+    assert silent in features and np.isclose(scores[features.index(silent)], base[silent], rtol=1e-5)
+    assert len(features) == top_k + 1                       # the override joins; no base feature leaves
+
+
 def _bad_requests(model):
     d = model.config.hidden
     ok = [0.5] * d

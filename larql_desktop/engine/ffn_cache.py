@@ -486,6 +486,22 @@ class WalkFfn:
         # Plain overrides (no bias) replace their feature everywhere.
         return ovr, patched, (patched > 0.0) | ~ovr.gated
 
+    def gate_knn(self, layer: int, x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per position, the features the walk actually sums (the selected base features, with overridden
+        slots replaced where their override holds) strongest first, and the gate scores it uses for them."""
+        scores = self.graphs.gate_scores(layer, x)
+        mask, _ = self.mask_for(scores)
+        ovr, patched, holds = self._patched(layer, x)
+        if ovr is not None:
+            scores[:, ovr.features] = np.where(holds, patched, scores[:, ovr.features])
+            mask[:, ovr.features] = np.maximum(mask[:, ovr.features], holds)
+        result = []
+        for t in range(x.shape[0]):
+            ids = np.flatnonzero(mask[t])
+            ids = ids[np.argsort(-np.abs(scores[t, ids]), kind="stable")]
+            result.append((ids, scores[t, ids]))
+        return result
+
     def _walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray, patched=None) -> np.ndarray:
         """Base walk over `mask`, with each overridden slot computed from its override where that holds."""
         ovr, patched_scores, holds = patched if patched is not None else self._patched(layer, x)
