@@ -97,6 +97,10 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b) / (float(np.linalg.norm(a)) * float(np.linalg.norm(b)) + 1e-30)
+
+
 class CacheTier:
     """One cache tier: per-layer maps from (namespace, feature key) to a small bucket of entries.
 
@@ -143,9 +147,8 @@ class CacheTier:
             if tau is None:
                 return bucket[-1]
             best, best_cos = None, tau
-            x_norm = float(np.linalg.norm(x))
             for entry in bucket:
-                cos = float(entry.residual @ x) / (float(np.linalg.norm(entry.residual)) * x_norm + 1e-30)
+                cos = cosine(entry.residual, x)
                 if cos >= best_cos:
                     best, best_cos = entry, cos
             return best
@@ -424,6 +427,24 @@ class FfnGraphs(Protocol):
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray: ...
 
 
+class PersistentTierView:
+    """The persistent store (L3) as the last tier of the lookup chain. It keeps one entry per key, so the
+    cosine guard checks it like a bucket of one."""
+
+    def __init__(self, store):
+        self._store = store
+        self.name = store.name
+
+    def lookup(self, layer: int, key, x: np.ndarray, tau: float | None) -> CacheEntry | None:
+        entry = self._store.get(layer, key[0], key[1])
+        if entry is not None and tau is not None and cosine(entry.residual, x) < tau:
+            return None
+        return entry
+
+    def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
+        return self._store.put(layer, key[0], key[1], entry)
+
+
 class WalkFfn:
     """The FfnCall of one session: sparse walk over the top-K features, through L1 then L2.
 
@@ -535,13 +556,14 @@ class WalkFfn:
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
         tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
-        l3 = self.l3 if self.l3 is not None and self.l3.settings.enabled else None
+        if self.l3 is not None and self.l3.settings.enabled:
+            tiers.append(PersistentTierView(self.l3))
         if x.shape[0] != 1:
             bypass = "prefill"
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
             bypass = "patched"
         else:
-            bypass = None if tiers or l3 is not None else "cache_off"
+            bypass = None if tiers else "cache_off"
         if bypass is not None:
             out = self._walk(layer, x, scores, mask, patched)
             self._record(layer, "bypass", started, bypass=bypass)
@@ -558,32 +580,16 @@ class WalkFfn:
             entry = tier.lookup(layer, key, x0, tau)
             results.append((tier.name, entry is not None))
             if entry is not None:
-                for upper in tiers[:i]:           # an L2 hit fills L1
+                for upper in tiers[:i]:           # a hit fills the tiers above it
                     upper.store(layer, key, entry, bucket)
                 self._record(layer, "hit", started, tier_results=tuple(results))
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
                     self._verify(layer, x, scores, mask, entry)   # not part of the hit's latency
                 return entry.output[None, :].copy()
-        if l3 is not None:
-            # The persistent tier keeps one entry per key; the guard, if on, checks it like a bucket of one.
-            entry = l3.get(layer, key[0], key[1])
-            if entry is not None and tau is not None:
-                cos = float(entry.residual @ x0) / (float(np.linalg.norm(entry.residual) * np.linalg.norm(x0)) + 1e-30)
-                entry = entry if cos >= tau else None
-            results.append((l3.name, entry is not None))
-            if entry is not None:
-                for upper in tiers:               # an L3 hit fills L2 and L1
-                    upper.store(layer, key, entry, bucket)
-                self._record(layer, "hit", started, tier_results=tuple(results))
-                if s.verify_fraction and self._rng.random() < s.verify_fraction:
-                    self._verify(layer, x, scores, mask, entry)
-                return entry.output[None, :].copy()
         out = self._walk(layer, x, scores, mask, patched)
         entry = CacheEntry(_frozen(out[0]), _frozen(x0))
         for tier in tiers:
             tier.store(layer, key, entry, bucket)
-        if l3 is not None:
-            l3.put(layer, key[0], key[1], entry)
         self._record(layer, "miss", started, tier_results=tuple(results))
         return out
 
