@@ -4,22 +4,12 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from .ffn_cache import CacheStats, CacheTier, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
+from .ffn_cache import CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
 from .insert import Fact, Inserter, InsertResult, Progress
 from .l3 import L3Settings, L3Store
 from .patches import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
 from .runtime import LoadedModel
 from .session import ChatSession
-
-
-class _L3View:
-    """The L3 store seen as a tier of this model (its occupancy per layer) for the statistics snapshot."""
-
-    def __init__(self, store: L3Store, n_layers: int):
-        self.store, self.n_layers = store, n_layers
-
-    def occupancy(self):
-        return self.store.occupancy(self.n_layers)
 
 
 class LarqlEngine:
@@ -179,7 +169,7 @@ class LarqlEngine:
 
     def _l3_tiers(self) -> list:
         store = self.l3
-        return [_L3View(store, self.model.config.n_layers)] if store is not None else []
+        return [PersistentTierView(store, self.model.config.n_layers)] if store is not None else []
 
     def _enabled(self) -> dict[str, bool]:
         return {"L1": self.l1_settings.enabled, "L2": self.l2.settings.enabled,

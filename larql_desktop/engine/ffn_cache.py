@@ -428,12 +428,20 @@ class FfnGraphs(Protocol):
 
 
 class PersistentTierView:
-    """The persistent store (L3) as the last tier of the lookup chain. It keeps one entry per key, so the
-    cosine guard checks it like a bucket of one."""
+    """The persistent store (L3) seen as a tier of one model: the last link of the lookup chain (one entry per
+    key, so the cosine guard checks it like a bucket of one) and its occupancy for the statistics."""
 
-    def __init__(self, store):
+    def __init__(self, store, n_layers: int):
         self._store = store
         self.name = store.name
+        self.n_layers = n_layers
+
+    @property
+    def enabled(self) -> bool:
+        return self._store.settings.enabled
+
+    def occupancy(self):
+        return self._store.occupancy(self.n_layers)
 
     def lookup(self, layer: int, key, x: np.ndarray, tau: float | None) -> CacheEntry | None:
         entry = self._store.get(layer, key[0], key[1])
@@ -457,6 +465,7 @@ class WalkFfn:
                  patches: PatchOverlay | None = None, key_log: list | None = None, l3=None):
         self.graphs = graphs
         self.l3 = l3             # an l3.L3Store (persistent tier after L2) or None
+        self._l3_tier = PersistentTierView(l3, graphs.config.n_layers) if l3 is not None else None
         # Outcome of the latest call ("hit", "miss", "bypass", "dense"), the tier that hit and the bypass reason:
         # for callers that report per call (the HTTP API builds one WalkFfn per request).
         self.last_outcome: str | None = None
@@ -556,8 +565,8 @@ class WalkFfn:
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
         tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
-        if self.l3 is not None and self.l3.settings.enabled:
-            tiers.append(PersistentTierView(self.l3))
+        if self._l3_tier is not None and self._l3_tier.enabled:
+            tiers.append(self._l3_tier)
         if x.shape[0] != 1:
             bypass = "prefill"
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
