@@ -352,8 +352,10 @@ def test_fp16_l3_error_measured_on_a_real_generation(smollm2, tmp_path):
     """fp16 storage: the error a hit carries, measured by the verify mode against a fresh computation.
 
     Measured: each hit's output is within fp16 rounding, but that rounding moves the next layer's input
-    enough to change its K-feature set (K = 79% of the width leaves near-ties at the cut), so after a
-    restart an fp16 L3 serves the first layers of each step and misses most later ones; fp32 serves all."""
+    enough to change its K-feature set (K = 79% of the width leaves near-ties at the cut; with int8 activations
+    in the gate matmul one rounding step of x is enough), so after a restart an fp16 L3 serves layer 0 only
+    (its input does not depend on any FFN output), 4 of 300 lookups here, until the greedy tokens drift;
+    fp32 serves all."""
     ids = smollm2.encode_prompt([{"role": "user", "content": "What colour is the sky?"}])
     n_dec, n = 10, smollm2.config.n_layers
     tokens_off, logits_off = _uncached(smollm2, ids, n_dec)
@@ -365,7 +367,7 @@ def test_fp16_l3_error_measured_on_a_real_generation(smollm2, tmp_path):
     snap = engine.snapshot()
     fid = snap.fidelity
     hits = int(snap.tiers["L3"].hits.sum())
-    assert hits >= n_dec and hits == fid.checked
+    assert snap.tiers["L3"].hits[0] >= 1 and hits == fid.checked
     same = next((i for i, (a, b) in enumerate(zip(tokens, tokens_off)) if a != b), n_dec)
     logit_err = float(np.max(np.abs(logits[:same] - logits_off[:same])))    # while the inputs are the same
     print(f"\nfp16 L3 on {smollm2.name}: {fid.checked} hits of {n_dec * n} lookups, FFN output cosine mean {fid.mean_cosine:.8f} "
@@ -373,4 +375,6 @@ def test_fp16_l3_error_measured_on_a_real_generation(smollm2, tmp_path):
           f"over the {same} steps before greedy tokens first differ; L3 hit rate after restart "
           f"{hits / (n_dec * n):.1%} (fp32: 100%)")
     assert fid.min_cosine > 0.99999 and fid.max_abs_error < 0.05
-    assert same >= 1 and logit_err < 1.0
+    # The logits drift more than the hit itself: a changed K-feature set downstream changes that layer's walk
+    # (measured: max |error| 1.6 over the first 4 steps, the greedy tokens still identical).
+    assert same >= 1 and logit_err < 3.0

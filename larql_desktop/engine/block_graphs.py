@@ -28,50 +28,16 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
-from .ffn_graphs import accuracy_level_for
-from .graph_store import Binding, GraphStore, Progress, make_model, session_options
+from .ffn_graphs import linear
+from .graph_store import Binding, GraphStore, LazySessions, Progress, make_model, session_options
 from .gguf import GgufFile
-from .quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
+from .quants import dequantize
 
-BLOCK_EXPORT_FORMAT = 2   # bump when these graphs change, so old exports are rebuilt
+BLOCK_EXPORT_FORMAT = 3   # bump when these graphs change, so old exports are rebuilt
 
 
 MANIFEST = "blocks.manifest.json"
 FLOAT = TensorProto.FLOAT
-
-
-def _linear(tensors, input_name: str, output_name: str):
-    """x @ concat(W_i).T for one or more GGUF weights with the same K, in one MatMulNBits when they share
-    a MatMulNBits layout (bits, block size), else one MatMul per weight and a Concat."""
-    try:
-        ws = [to_matmul_nbits(t) for t in tensors]
-    except QuantError:
-        ws = None
-    if ws and all(w.bits == ws[0].bits and w.block_size == ws[0].block_size for w in ws):
-        w0 = ws[0]
-        w = w0 if len(ws) == 1 else NBitsWeight(
-            bits=w0.bits, block_size=w0.block_size, N=sum(w.N for w in ws), K=w0.K,
-            packed=np.concatenate([w.packed for w in ws]), scales=np.concatenate([w.scales for w in ws]),
-            zero_points=np.concatenate([w.zero_points for w in ws]))
-        return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
-                                       accuracy_level=accuracy_level_for(w))
-    nodes, inits, parts = [], [], []
-    for i, t in enumerate(tensors):
-        part = f"{output_name}_part{i}"
-        try:
-            w = to_matmul_nbits(t)
-            n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=accuracy_level_for(w))
-        except QuantError:
-            wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(t).T), part + "_Wt")
-            n, ini = [helper.make_node("MatMul", [input_name, wt.name], [part])], [wt]
-        nodes += n
-        inits += ini
-        parts.append(part)
-    if len(parts) == 1:
-        nodes[-1].output[0] = output_name
-    else:
-        nodes.append(helper.make_node("Concat", parts, [output_name], axis=-1))
-    return nodes, inits
 
 
 def _f32(gguf: GgufFile, name: str) -> np.ndarray:
@@ -102,7 +68,7 @@ def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Mode
     nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h", f_in, "attn_norm_w"],
                                   ["x", "", "", "h1"], domain="com.microsoft", epsilon=eps))
     t = gguf.tensors
-    qkv_nodes, qkv_inits = _linear([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]],
+    qkv_nodes, qkv_inits = linear([t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]],
                                    "x", "qkv")
     nodes += qkv_nodes
     inits += qkv_inits
@@ -138,7 +104,7 @@ def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Mode
         local_window_size=window if window else -1))
     const("attn_2d_shape", np.array([-1, H * hd], np.int64))
     nodes.append(helper.make_node("Reshape", ["attn3", "attn_2d_shape"], ["attn"]))
-    o_nodes, o_inits = _linear([t[p + "attn_output.weight"]], "attn", "a")
+    o_nodes, o_inits = linear([t[p + "attn_output.weight"]], "attn", "a")
     nodes += o_nodes
     inits += o_inits
     a = "a"
@@ -173,7 +139,7 @@ def build_head_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h", f_in, "output_norm_w"],
                                   ["x"], domain="com.microsoft", epsilon=float(cfg.norm_eps)))
     out = gguf.tensors.get("output.weight", gguf.tensors["token_embd.weight"])   # tied embeddings
-    head_nodes, head_inits = _linear([out], "x", "logits")
+    head_nodes, head_inits = linear([out], "x", "logits")
     return make_model(nodes + head_nodes, inits + head_inits,
                       [helper.make_tensor_value_info("h", FLOAT, ["T", cfg.hidden]),
                        helper.make_tensor_value_info("f", FLOAT, ["T", cfg.hidden])],
@@ -194,21 +160,25 @@ class OnnxBlocks:
         store = GraphStore(self.directory, MANIFEST, BLOCK_EXPORT_FORMAT, progress)
         self.rebuilt = store.rebuilt
         n = config.n_layers
+        layer_files = []
+        for layer in range(n):
+            name, build = f"layer{layer:02d}.attn.onnx", partial(build_layer_graph, gguf, config, layer)
+            store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX", layer / (n + 1))
+            layer_files.append((name, build))
+        head_build = partial(build_head_graph, gguf, config)
+        store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
+        store.save()
         # Small per-layer matmuls gain nothing from a second thread (waking it costs what it saves);
         # the head (the largest matmul by far) does.
-        layer_opts, head_opts = session_options(1), session_options(threads)
-        self._layers: list[ort.InferenceSession] = []
-        for layer in range(n):
-            self._layers.append(store.session(
-                f"layer{layer:02d}.attn.onnx", partial(build_layer_graph, gguf, config, layer), layer_opts,
-                f"Exporting layer {layer + 1}/{n} attention graph to ONNX", layer / (n + 1)))
-            if progress and not self.rebuilt:
-                progress(f"Loading attention graphs ({layer + 1}/{n})", (layer + 1) / (n + 1))
-        self._head = store.session("head.onnx", partial(build_head_graph, gguf, config), head_opts,
-                                   "Exporting the output head to ONNX", n / (n + 1))
-        store.save()
+        self._layers = LazySessions(store, layer_files, session_options(1))
+        self._heads = LazySessions(store, [("head.onnx", head_build)], session_options(threads))
         self._local = threading.local()
         self._zeros: dict[int, np.ndarray] = {}
+
+    def load_sessions(self, progress: Progress | None = None) -> None:
+        """Create the sessions now rather than on first use."""
+        self._layers.load_all(progress, "Loading the attention graphs")
+        self._heads.load_all()
 
     @classmethod
     def from_sessions(cls, config: ModelConfig, layers: list[ort.InferenceSession],
@@ -216,7 +186,7 @@ class OnnxBlocks:
         """Blocks from sessions made elsewhere (tests: graphs built in memory for a modified config)."""
         self = cls.__new__(cls)
         self.config, self.directory, self.rebuilt = config, None, []
-        self._layers, self._head = list(layers), head
+        self._layers, self._heads = list(layers), [head]
         self._local = threading.local()
         self._zeros = {}
         return self
@@ -224,7 +194,7 @@ class OnnxBlocks:
     def _state(self):
         state = getattr(self._local, "state", None)
         if state is None:   # per thread: bindings are not thread-safe, sessions are
-            state = self._local.state = _ThreadState(self._layers, self._head)
+            state = self._local.state = _ThreadState(self._layers, self._heads)
         return state
 
     def zeros(self, T: int) -> np.ndarray:
@@ -241,7 +211,7 @@ class OnnxBlocks:
         state = self._state()
         state.seqlens[0] = start + T - 1
         state.total[()] = start + T
-        b = state.layers[layer]
+        b = state.layer(layer)
         h_out = np.empty((T, d), np.float32)
         x_ffn = np.empty((T, d), np.float32)
         views = state.kv_views[layer]
@@ -274,9 +244,24 @@ class OnnxBlocks:
 
 
 class _ThreadState:
-    def __init__(self, layers, head):
-        self.layers = [Binding(s) for s in layers]
-        self.head = Binding(head)
+    """One thread's IO bindings, made on the first call of each session."""
+
+    def __init__(self, layers, heads):
+        self._layer_sessions, self._heads = layers, heads
+        self._layers: list[Binding | None] = [None] * len(layers)
+        self._head: Binding | None = None
         self.kv_views = [(None, None, None, None)] * len(layers)
         self.seqlens = np.zeros(1, np.int32)     # updated in place, bound once
         self.total = np.zeros((), np.int32)
+
+    def layer(self, i: int) -> Binding:
+        b = self._layers[i]
+        if b is None:
+            b = self._layers[i] = Binding(self._layer_sessions[i])
+        return b
+
+    @property
+    def head(self) -> Binding:
+        if self._head is None:
+            self._head = Binding(self._heads[0])
+        return self._head

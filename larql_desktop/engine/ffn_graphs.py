@@ -17,34 +17,59 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
 from .gguf import GgufFile
-from .graph_store import OPSET, Binding, GraphStore, Progress, make_model, session_options, write_atomic  # noqa: F401
-from .quants import QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
+from .graph_store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
+from .quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
-EXPORT_FORMAT = 2   # bump when the graphs change, so old exports are rebuilt
+EXPORT_FORMAT = 3   # bump when the graphs change, so old exports are rebuilt
 
 
 def accuracy_level_for(w) -> int:
-    """MatMulNBits accuracy level for a weight. Level 4 multiplies with int8-quantised activations (as
-    llama.cpp's CPU kernels do); onnxruntime 1.32 needs it for 8-bit weights (Q5_0/Q6_K/Q8_0 are ~30x slower
-    at level 0). 4-bit weights keep fp32 activations: with int8 ones SmolLM2's near-tie answers flip (its
-    "What is the capital of France?" turned from the fp32 model's "Paris." into llama.cpp's "L'Étoile…")."""
-    return 4 if w.bits == 8 else 0
+    """MatMulNBits accuracy level for a weight: 4, int8-quantised activations in blocks of the weight's block
+    size, as llama.cpp's CPU kernels quantise them (Q8_0/Q8_1). onnxruntime 1.32 runs 4-bit weights ~2x and
+    8-bit ones ~30x faster at this level than with fp32 activations (level 0). It moves answers only at
+    near-ties: `verify-reference` stays at >= 99.6% agreement with llama.cpp at clear positions, but the fp32
+    model's "Paris." for SmolLM2's "What is the capital of France?" is llama.cpp's "L'Étoile…" here too."""
+    return 4
 
 
-def _linear(tensor, input_name: str, output_name: str):
-    """x @ W.T from the GGUF's own blocks where MatMulNBits can hold them exactly, else a dense MatMul."""
+def linear(tensors, input_name: str, output_name: str):
+    """x @ concat(W_i).T for one or more GGUF weights with the same K: one MatMulNBits on the GGUF's own
+    blocks when they share a MatMulNBits layout (bits, block size), else one node per weight (a dense MatMul
+    for blocks MatMulNBits cannot hold exactly) and a Concat. Fusing weights that read the same input saves
+    a kernel launch and a block-sum offset chain per weight (see quants.make_matmul_nbits_nodes)."""
     try:
-        w = to_matmul_nbits(tensor)
+        ws = [to_matmul_nbits(t) for t in tensors]
     except QuantError:
-        wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(tensor).T), output_name + "_Wt")
-        return [helper.make_node("MatMul", [input_name, wt.name], [output_name])], [wt]
-    return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
-                                   accuracy_level=accuracy_level_for(w))
+        ws = None
+    if ws and all(w.bits == ws[0].bits and w.block_size == ws[0].block_size for w in ws):
+        w0 = ws[0]
+        w = w0 if len(ws) == 1 else NBitsWeight(
+            bits=w0.bits, block_size=w0.block_size, N=sum(w.N for w in ws), K=w0.K,
+            packed=np.concatenate([w.packed for w in ws]), scales=np.concatenate([w.scales for w in ws]),
+            zero_points=np.concatenate([w.zero_points for w in ws]))
+        return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
+                                       accuracy_level=accuracy_level_for(w))
+    nodes, inits, parts = [], [], []
+    for i, t in enumerate(tensors):
+        part = f"{output_name}_part{i}"
+        try:
+            w = to_matmul_nbits(t)
+            n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=accuracy_level_for(w))
+        except QuantError:
+            wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(t).T), part + "_Wt")
+            n, ini = [helper.make_node("MatMul", [input_name, wt.name], [part])], [wt]
+        nodes += n
+        inits += ini
+        parts.append(part)
+    if len(parts) == 1:
+        nodes[-1].output[0] = output_name
+    else:
+        nodes.append(helper.make_node("Concat", parts, [output_name], axis=-1))
+    return nodes, inits
 
 
 _model = make_model
@@ -52,21 +77,23 @@ _model = make_model
 
 def build_gate_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
     t = gguf.tensors[f"blk.{layer}.ffn_gate.weight"]
-    nodes, inits = _linear(t, "x", "scores")
+    nodes, inits = linear([t], "x", "scores")
     return _model(nodes, inits,
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", cfg.hidden])],
                   [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["T", cfg.intermediate])],
                   f"gate_{layer}")
 
 
-def build_walk_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
-    up_nodes, up_inits = _linear(gguf.tensors[f"blk.{layer}.ffn_up.weight"], "x", "up")
-    down_nodes, down_inits = _linear(gguf.tensors[f"blk.{layer}.ffn_down.weight"], "hidden", "out")
+def _activation_nodes(cfg: ModelConfig, scores: str, out: str) -> list:
     if cfg.activation == "silu":
-        act = [helper.make_node("Sigmoid", ["scores"], ["sig"]), helper.make_node("Mul", ["scores", "sig"], ["act"])]
-    else:
-        act = [helper.make_node("Gelu", ["scores"], ["act"], approximate="tanh")]
-    nodes = up_nodes + act + [
+        return [helper.make_node("Sigmoid", [scores], [out + "_sig"]), helper.make_node("Mul", [scores, out + "_sig"], [out])]
+    return [helper.make_node("Gelu", [scores], [out], approximate="tanh")]
+
+
+def build_walk_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+    up_nodes, up_inits = linear([gguf.tensors[f"blk.{layer}.ffn_up.weight"]], "x", "up")
+    down_nodes, down_inits = linear([gguf.tensors[f"blk.{layer}.ffn_down.weight"]], "hidden", "out")
+    nodes = up_nodes + _activation_nodes(cfg, "scores", "act") + [
         helper.make_node("Mul", ["act", "up"], ["gated"]),
         helper.make_node("Mul", ["gated", "mask"], ["hidden"]),
     ] + down_nodes
@@ -79,15 +106,15 @@ def build_walk_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Model
 
 
 def build_dense_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
-    """gate and walk fused, without the mask: the dense FFN in one call."""
-    gate_nodes, gate_inits = _linear(gguf.tensors[f"blk.{layer}.ffn_gate.weight"], "x", "scores")
-    walk = build_walk_graph(gguf, cfg, layer).graph
-    nodes = gate_nodes + [n for n in walk.node if n.output[0] != "hidden"]
-    for n in nodes:                       # the walk's down projection reads the unmasked product
-        for i, name in enumerate(n.input):
-            if name == "hidden":
-                n.input[i] = "gated"
-    return _model(nodes, gate_inits + list(walk.initializer),
+    """The dense FFN in one call: the walk without the mask, with gate and up in one MatMulNBits (they read
+    the same input; the int8 quantisation of x is per block, so each half equals its separate product)."""
+    t = gguf.tensors
+    gate_up_nodes, gate_up_inits = linear([t[f"blk.{layer}.ffn_gate.weight"], t[f"blk.{layer}.ffn_up.weight"]],
+                                          "x", "gate_up")
+    down_nodes, down_inits = linear([t[f"blk.{layer}.ffn_down.weight"]], "gated", "out")
+    nodes = gate_up_nodes + [helper.make_node("Split", ["gate_up"], ["scores", "up"], axis=-1, num_outputs=2)]
+    nodes += _activation_nodes(cfg, "scores", "act") + [helper.make_node("Mul", ["act", "up"], ["gated"])] + down_nodes
+    return _model(nodes, gate_up_inits + down_inits,
                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", cfg.hidden])],
                   [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", cfg.hidden])],
                   f"dense_{layer}")
@@ -97,10 +124,11 @@ BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_d
 
 
 class OnnxFfn:
-    """The exported gate, walk and dense graphs of every layer, loaded into onnxruntime sessions.
+    """The exported gate, walk and dense graphs of every layer, in onnxruntime sessions made on first use.
 
-    All files are checked (and exported again if missing or corrupt) at load; the dense sessions are created
-    then, the gate/walk sessions of a layer on its first walk call (the dense path never needs them).
+    All files are checked (and exported again if missing or changed) at load; a layer's sessions are created on
+    its first call (the dense sessions by the per-layer dense path, gate/walk by the walk FFN), or all at once
+    by `load_sessions`.
     """
 
     def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path,
@@ -110,57 +138,47 @@ class OnnxFfn:
         self.directory = Path(onnx_root) / checksum
         self._store = GraphStore(self.directory, "manifest.json", EXPORT_FORMAT, progress)
         self.rebuilt = self._store.rebuilt   # files exported (or re-exported because missing/corrupt) by this load
-        self._opts = session_options(threads)
         n = config.n_layers
-        self._dense: list[ort.InferenceSession] = []
-        self._gate: list[ort.InferenceSession | None] = [None] * n
-        self._walk: list[ort.InferenceSession | None] = [None] * n
-        self._lock = threading.Lock()
+        files: dict[str, list] = {kind: [] for kind in BUILDERS}
         for layer in range(n):
             for kind, builder in BUILDERS.items():
                 name = f"layer{layer:02d}.{kind}.onnx"
                 build = partial(builder, gguf, config, layer)
-                message = f"Exporting layer {layer + 1}/{n} {kind} graph to ONNX"
-                if kind == "dense":
-                    self._dense.append(self._store.session(name, build, self._opts, message, (layer + 0.5) / n))
-                else:
-                    self._store.ensure(name, build, message, (layer + 0.5) / n)
-            if progress and not self.rebuilt:
-                progress(f"Loading ONNX graphs ({layer + 1}/{n})", (layer + 1) / n)
+                self._store.ensure(name, build, f"Exporting layer {layer + 1}/{n} {kind} graph to ONNX",
+                                   (layer + 0.5) / n)
+                files[kind].append((name, build))
         self._store.save()
+        opts = session_options(threads)
+        self._gate, self._walk, self._dense = (LazySessions(self._store, files[kind], opts)
+                                               for kind in ("gate", "walk", "dense"))
         self._ones = np.ones((1, config.intermediate), np.float32)
         self._local = threading.local()   # per thread: IO bindings of the dense sessions
 
-    def _walk_sessions(self, layer: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
-        gate, walk = self._gate[layer], self._walk[layer]
-        if gate is None or walk is None:
-            with self._lock:
-                if self._gate[layer] is None or self._walk[layer] is None:
-                    for kind, sessions in (("gate", self._gate), ("walk", self._walk)):
-                        build = partial(BUILDERS[kind], self.gguf, self.config, layer)
-                        sessions[layer] = self._store.session(f"layer{layer:02d}.{kind}.onnx", build, self._opts,
-                                                              verified=True)
-                gate, walk = self._gate[layer], self._walk[layer]
-        return gate, walk
+    def load_sessions(self, progress: Progress | None = None) -> None:
+        """Create every layer's sessions now rather than on first use (the app, before its first message)."""
+        for kind, sessions in (("dense", self._dense), ("gate", self._gate), ("walk", self._walk)):
+            sessions.load_all(progress, f"Loading the {kind} FFN graphs")
 
     def load_walk_sessions(self) -> None:
         """Create every layer's gate/walk sessions now rather than on first use."""
-        for layer in range(self.config.n_layers):
-            self._walk_sessions(layer)
+        self._gate.load_all()
+        self._walk.load_all()
 
     # -- running ------------------------------------------------------------------------------------------
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray:
-        return self._walk_sessions(layer)[0].run(None, {"x": x})[0]            # (T, F)
+        return self._gate[layer].run(None, {"x": x})[0]            # (T, F)
 
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return self._walk_sessions(layer)[1].run(None, {"x": x, "scores": scores, "mask": mask})[0]   # (T, d)
+        return self._walk[layer].run(None, {"x": x, "scores": scores, "mask": mask})[0]   # (T, d)
 
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray:
         """(T, d) in one call, through an IO binding (session.run's feed dict costs ~15 us per call)."""
         bindings = getattr(self._local, "dense", None)
         if bindings is None:
-            bindings = self._local.dense = [Binding(s) for s in self._dense]
+            bindings = self._local.dense = [None] * self.config.n_layers
         b = bindings[layer]
+        if b is None:
+            b = bindings[layer] = Binding(self._dense[layer])
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.config.hidden), np.float32)
         b.bind_input("x", x)
@@ -169,3 +187,7 @@ class OnnxFfn:
         return out
 
     __call__ = dense
+
+    def claim_dense_pass(self, positions: int) -> bool:
+        """The plain dense FFN everywhere: the model may run whole passes in its decoder graph."""
+        return True

@@ -1,9 +1,11 @@
 """Exported ONNX graphs on disk: one folder per GGUF checksum, a manifest per family of graphs.
 
-Every family (the FFN graphs, the attention/head graphs, ...) keeps its files under
-<cache>/onnx/<gguf sha256>/ and lists their sha256 in its own manifest, stamped with the family's export
-format. At load a file whose hash does not match its manifest entry (missing, truncated, corrupt, from an
-older format) is exported again from the GGUF, and so is one that onnxruntime refuses to load.
+Every family (the FFN graphs, the attention/head graphs, the whole-model decoder) keeps its files under
+<cache>/onnx/<gguf sha256>/ and lists each file's sha256, size and modification time in its own manifest,
+stamped with the family's export format. A file whose size or modification time differs from its entry is
+hashed again: one whose hash does not match (missing, truncated, rewritten, from an older format) is exported
+again from the GGUF, and so is one that onnxruntime refuses to load. Unchanged files are not re-hashed at
+every start: hashing Gemma's graphs cost 0.4 s of a 2 s load.
 """
 from __future__ import annotations
 
@@ -80,18 +82,33 @@ class GraphStore:
         self._dirty = False
         self._lock = threading.Lock()
 
-    def _read_manifest(self) -> dict[str, str]:
+    def _read_manifest(self) -> dict[str, dict]:
         try:
             doc = json.loads(self.manifest_path.read_text())
             if doc.get("format") == self.export_format and isinstance(doc.get("files"), dict):
-                return dict(doc["files"])
+                return {name: entry for name, entry in doc["files"].items()
+                        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str)}
         except (OSError, ValueError, AttributeError):
             pass
         return {}
 
     def is_valid(self, name: str) -> bool:
-        expected = self._manifest.get(name)
-        return expected is not None and _sha256_file(self.directory / name) == expected
+        entry = self._manifest.get(name)
+        if entry is None:
+            return False
+        path = self.directory / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return False
+        if stat.st_size == entry.get("size") and stat.st_mtime_ns == entry.get("mtime_ns"):
+            return True
+        if stat.st_size != entry.get("size") or _sha256_file(path) != entry["sha256"]:
+            return False
+        with self._lock:     # same bytes, touched: remember the new time so it is not hashed again
+            self._manifest[name] = dict(entry, mtime_ns=stat.st_mtime_ns)
+            self._dirty = True
+        return True
 
     def export(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
                fraction: float = 0.0) -> Path:
@@ -100,8 +117,10 @@ class GraphStore:
         data = build().SerializeToString()
         path = self.directory / name
         write_atomic(path, data)
+        stat = path.stat()
         with self._lock:
-            self._manifest[name] = hashlib.sha256(data).hexdigest()
+            self._manifest[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": stat.st_size,
+                                    "mtime_ns": stat.st_mtime_ns}
             self.rebuilt.append(name)
             self._dirty = True
         return path
@@ -115,7 +134,7 @@ class GraphStore:
 
     def session(self, name: str, build: Callable[[], onnx.ModelProto], opts: ort.SessionOptions,
                 message: str | None = None, fraction: float = 0.0, verified: bool = False) -> ort.InferenceSession:
-        """A session on the file `name`; `verified` skips the hash check (done by an earlier `ensure`)."""
+        """A session on the file `name`; `verified` skips the check (done by an earlier `ensure`)."""
         path = self.directory / name if verified else self.ensure(name, build, message, fraction)
         try:
             return ort.InferenceSession(str(path), opts, providers=PROVIDERS)
@@ -131,6 +150,37 @@ class GraphStore:
             write_atomic(self.manifest_path, json.dumps(
                 {"format": self.export_format, "files": self._manifest}, indent=1).encode())
             self._dirty = False
+
+
+class LazySessions:
+    """Sessions on files of one store, made on first use (thread-safe): a process that only runs the whole-model
+    decoder never pays for (or holds the weights of) the per-layer sessions. Check the files with
+    `GraphStore.ensure` first; a file onnxruntime refuses is exported again then."""
+
+    def __init__(self, store: GraphStore, files: list[tuple[str, Callable[[], onnx.ModelProto]]],
+                 opts: ort.SessionOptions):
+        self._store, self._files, self._opts = store, files, opts
+        self._sessions: list[ort.InferenceSession | None] = [None] * len(files)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, i: int) -> ort.InferenceSession:
+        session = self._sessions[i]
+        if session is None:
+            with self._lock:
+                session = self._sessions[i]
+                if session is None:
+                    name, build = self._files[i]
+                    session = self._sessions[i] = self._store.session(name, build, self._opts, verified=True)
+        return session
+
+    def load_all(self, progress: Progress | None = None, message: str = "Loading ONNX graphs") -> None:
+        for i in range(len(self)):
+            if progress and self._sessions[i] is None:
+                progress(f"{message} ({i + 1}/{len(self)})", i / len(self))
+            self[i]
 
 
 try:   # onnxruntime's C-level binding: the Python wrapper adds ~8 us of bookkeeping per bound name
