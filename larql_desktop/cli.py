@@ -15,13 +15,13 @@ def _progress_to_stderr(message: str, fraction: float) -> None:
     print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
 
 
-def _load(args, quiet_progress: bool = False):
+def _load(args, quiet_progress: bool = False, preload: str = "all"):
     from .engine.paths import AppPaths
     from .engine.runtime import load_model
 
     paths = AppPaths.from_environment().ensure()
     progress = None if quiet_progress else _progress_to_stderr
-    return load_model(args.model, paths, threads=args.threads, progress=progress)
+    return load_model(args.model, paths, threads=args.threads, progress=progress, preload=preload)
 
 
 def cmd_chat(args) -> int:
@@ -30,7 +30,8 @@ def cmd_chat(args) -> int:
 
     settings = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
-    model = _load(args, quiet_progress=True)
+    # A dense chat runs whole passes in the decoder graph: the per-layer sessions are not needed.
+    model = _load(args, quiet_progress=True, preload="decoder" if args.ffn == "dense" else "layers")
     print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
     engine = LarqlEngine(model, walk=_walk_settings(args))
     session = engine.new_session()
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all.add_argument("--tokens", type=int, default=64, help="tokens generated per run (default 64)")
     bench_all.add_argument("--prompt", default=None, help="prompt (default: a two-sentence question)")
     bench_all.add_argument("--runs", type=int, default=5, help="runs per configuration; medians are reported")
-    bench_all.add_argument("--modes", default=None, help="comma-separated subset of dense,sparse,cold,warm")
+    bench_all.add_argument("--modes", default=None, help="comma-separated subset of dense,layered,sparse,cold,warm")
     bench_all.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if it is installed")
     bench_all.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bench_all.set_defaults(func=cmd_bench)

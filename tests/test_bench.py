@@ -44,7 +44,10 @@ def test_bench_writes_positive_figures_for_every_mode(tmp_path):
     assert doc["modes"]["sparse"]["cache"]["lookups"] == 0
     assert doc["modes"]["warm"]["tokens"] == doc["modes"]["cold"]["tokens"] == doc["modes"]["sparse"]["tokens"]
     assert doc["modes"]["dense"]["greedy_agreement_vs_dense"] == 1.0
+    # The whole-model graph and the per-layer graphs are the same computation.
+    assert doc["modes"]["layered"]["tokens"] == doc["modes"]["dense"]["tokens"]
     assert "warm_decode_faster_than_dense" in doc["targets"]
+    assert "warm_decode_faster_than_layered_dense" in doc["targets"]
     assert "decode tok/s" in result.stdout and "llama.cpp: not run" in result.stdout
 
 

@@ -43,7 +43,9 @@ def test_onnx_ffn_matches_numpy_dense(model_and_reference):
 
 
 def test_kv_cache_decode_equals_full_prefill(smollm2):
-    ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    """Decoding token by token (the whole-model decoder graph, the KV cache growing) predicts what one batched
+    pass through the per-layer graphs predicts."""
+    ids = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because the dog was asleep in the sun")
     full = smollm2.transformer.forward(ids, KvCache(smollm2.config), smollm2.ffn, all_logits=True)
     kv = KvCache(smollm2.config, capacity=4)   # forces the cache to grow while decoding
     smollm2.transformer.forward(ids[:3], kv, smollm2.ffn)
@@ -55,7 +57,7 @@ def test_kv_cache_decode_equals_full_prefill(smollm2):
     assert clear.sum() >= 5
     assert (steps.argmax(axis=1) == full[3:].argmax(axis=1))[clear].all()
     cos = np.sum(steps * full[3:], axis=1) / (np.linalg.norm(steps, axis=1) * np.linalg.norm(full[3:], axis=1))
-    assert cos.min() > 0.995
+    assert cos.min() > 0.99
 
 
 def test_chat_answers_a_clear_question(smollm2):

@@ -91,3 +91,86 @@ def test_corrupt_block_file_is_rebuilt(smollm2, app_paths):
     assert again.rebuilt == ["layer02.attn.onnx"]
     assert victim.read_bytes() == good
     assert OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1).rebuilt == []
+
+
+def _per_layer(model):
+    """The model's dense FFN without `claim_dense_pass`: forward then runs layer by layer."""
+    return lambda layer, x: model.ffn.dense(layer, x)
+
+
+@pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
+def test_decoder_graph_equals_per_layer_graphs(request, fixture):
+    """The whole-model decoder graph is the per-layer graphs wired together: same logits, same KV cache, for
+    a prefill, a chunk after it and decode steps (the cache growing on the way)."""
+    model = request.getfixturevalue(fixture)
+    tr = model.transformer
+    ids = model.tokenizer.encode("One two three four five six seven eight nine ten eleven twelve")
+    kv_whole, kv_layers = KvCache(model.config, capacity=4), KvCache(model.config, capacity=4)
+    chunks = [ids[:5], ids[5:8]] + [[t] for t in ids[8:]]
+    for chunk in chunks:
+        whole = tr.forward(chunk, kv_whole, model.ffn)
+        layers = tr.forward(chunk, kv_layers, _per_layer(model))
+        np.testing.assert_allclose(whole, layers, rtol=1e-4, atol=1e-4 * np.abs(layers).max())
+    n = len(ids)
+    assert kv_whole.length == kv_layers.length == n
+    for i in (0, model.config.n_layers - 1):
+        np.testing.assert_allclose(kv_whole.keys[i][:, :n], kv_layers.keys[i][:, :n], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(kv_whole.values[i][:, :n], kv_layers.values[i][:, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
+    """Dense settings claim the pass and count a dense outcome per layer (untimed); the walk, and dense settings
+    under an INSERT override, run layer by layer."""
+    from larql_desktop.engine.ffn_cache import CacheStats, WalkFfn, WalkSettings
+    from larql_desktop.engine.patches import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
+
+    cfg = smollm2.config
+    stats = CacheStats(cfg.n_layers)
+    dense = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None, (stats,))
+    assert dense.claim_dense_pass(1)
+    snap = stats.snapshot({}, {})
+    assert snap.latency["dense"].count == cfg.n_layers and snap.latency["dense"].mean_us == 0.0
+    walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), None, None, (stats,))
+    assert not walk.claim_dense_pass(1)
+    base = BaseFeatureWeights(smollm2.gguf)
+    gate, up, down = base.vectors(3, 7)
+    patch = Patch((PatchOperation("update", 3, 7, gate=gate * 2, up=up, down=down),), smollm2.name, smollm2.checksum)
+    patched = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None,
+                      (stats,), PatchOverlay.build([patch], base))
+    assert not patched.claim_dense_pass(1)
+    # And the model honours the answer: a patched dense pass differs from the plain one at the patched layer.
+    ids = smollm2.tokenizer.encode("Seven")
+    plain = smollm2.transformer.forward(ids, KvCache(cfg), dense)
+    assert not np.array_equal(plain, smollm2.transformer.forward(ids, KvCache(cfg), patched))
+
+
+def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smollm2, app_paths):
+    from larql_desktop.engine import graph_store
+    from larql_desktop.engine.decoder_graph import OnnxDecoder
+
+    directory = app_paths.onnx_dir / smollm2.checksum
+    hashed = []
+    real = graph_store._sha256_file
+
+    def counting(path):
+        hashed.append(path.name)
+        return real(path)
+
+    graph_store._sha256_file = counting
+    try:
+        again = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
+        assert again.rebuilt == [] and hashed == []
+        victim = directory / "decoder.onnx"
+        good = victim.read_bytes()
+        victim.write_bytes(good[:-16] + bytes(16))           # same size, new contents
+        again = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
+        assert again.rebuilt == ["decoder.onnx"] and hashed == ["decoder.onnx"]
+        assert victim.read_bytes() == good
+        victim.touch()                                         # same contents, new time: hashed once, kept
+        hashed.clear()
+        for _ in range(2):
+            assert OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir,
+                               threads=1).rebuilt == []
+        assert hashed == ["decoder.onnx"]
+    finally:
+        graph_store._sha256_file = real

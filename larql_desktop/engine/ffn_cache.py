@@ -319,7 +319,8 @@ class CacheStats:
             self._misses = {t: np.zeros(n, np.int64) for t in TIERS}
             self._bypass = {r: np.zeros(n, np.int64) for r in BYPASS_REASONS}
             self._full_misses = np.zeros(n, np.int64)
-            self._lat_count = dict.fromkeys(OUTCOMES, 0)
+            self._lat_count = dict.fromkeys(OUTCOMES, 0)      # calls per outcome
+            self._lat_timed = dict.fromkeys(OUTCOMES, 0)      # of which timed on their own
             self._lat_sum = dict.fromkeys(OUTCOMES, 0.0)
             self._lat_min = dict.fromkeys(OUTCOMES, float("inf"))
             self._lat_recent = {o: deque(maxlen=1024) for o in OUTCOMES}
@@ -328,8 +329,10 @@ class CacheStats:
             self._calls = 0
             self._lookups = 0
 
-    def record(self, layer: int, outcome: str, seconds: float, *, tier_results=(), bypass: str | None = None) -> None:
-        """tier_results: (tier, hit) in lookup order."""
+    def record(self, layer: int, outcome: str, seconds: float | None, *, tier_results=(),
+               bypass: str | None = None) -> None:
+        """tier_results: (tier, hit) in lookup order. seconds None: the call was not timed on its own (a layer of
+        the whole-model decoder graph): it is counted, but left out of the latency figures."""
         with self._lock:
             self._calls += 1
             if tier_results:
@@ -341,6 +344,9 @@ class CacheStats:
             if outcome == "miss":
                 self._full_misses[layer] += 1
             self._lat_count[outcome] += 1
+            if seconds is None:
+                return
+            self._lat_timed[outcome] += 1
             self._lat_sum[outcome] += seconds
             self._lat_min[outcome] = min(self._lat_min[outcome], seconds)
             self._lat_recent[outcome].append(seconds)
@@ -368,10 +374,10 @@ class CacheStats:
                                                 keys, entries, nbytes, evictions, dropped)
             latency = {}
             for o in OUTCOMES:
-                n = self._lat_count[o]
+                n, timed = self._lat_count[o], self._lat_timed[o]
                 recent = np.fromiter(self._lat_recent[o], float) if self._lat_recent[o] else np.zeros(0)
-                latency[o] = LatencySummary(n, 1e6 * self._lat_sum[o] / n if n else 0.0,
-                                            1e6 * self._lat_min[o] if n else 0.0,
+                latency[o] = LatencySummary(n, 1e6 * self._lat_sum[o] / timed if timed else 0.0,
+                                            1e6 * self._lat_min[o] if timed else 0.0,
                                             1e6 * float(np.median(recent)) if recent.size else 0.0)
             fid = FidelitySummary(self._fid_n, self._fid_sum / self._fid_n if self._fid_n else float("nan"),
                                   self._fid_min if self._fid_n else float("nan"), self._fid_maxabs,
@@ -394,6 +400,9 @@ class WalkSettings:
     # "bypass": the seed's rule, layers with INSERT overrides skip L1 and L2. "per_feature": such a layer
     # still uses the cache when the selected features include no overridden one (ADR open question 3).
     patch_mode: str = "bypass"
+    # Dense passes (dense settings, no INSERT overrides) may run as one call of the whole-model decoder graph;
+    # False keeps them layer by layer, like the walk (the bench's like-for-like baseline for the cache).
+    whole_model_graph: bool = True
 
     def __post_init__(self):
         if self.top_k is not None and self.top_k < 1:
@@ -487,7 +496,7 @@ class WalkFfn:
         return (self.model_checksum, s.top_k, s.key_width, epoch)
 
     def _record(self, layer, outcome, started, **kw):
-        seconds = time.perf_counter() - started
+        seconds = None if started is None else time.perf_counter() - started
         self.last_outcome, self.last_bypass = outcome, kw.get("bypass")
         results = kw.get("tier_results", ())
         self.last_tier = results[-1][0] if outcome == "hit" and results else None
@@ -549,6 +558,18 @@ class WalkFfn:
             return self.graphs.dense(layer, x)
         ones = np.ones((x.shape[0], self.intermediate), np.float32)
         return self._walk(layer, x, self.graphs.gate_scores(layer, x), ones)
+
+    def claim_dense_pass(self, positions: int) -> bool:
+        """Whether the model may run a whole pass as the plain dense model, all layers in one decoder-graph call
+        (model.TransformerModel.forward asks before each pass): yes under dense settings (or a K so large the
+        walk is dense anyway) with no INSERT override on any layer. A claimed pass is recorded as a "dense"
+        outcome per layer, untimed: one call runs them all."""
+        s = self.settings
+        if not s.whole_model_graph or not (s.dense or self.full_k) or self.patches.overridden_layers:
+            return False
+        for layer in range(self.graphs.config.n_layers):
+            self._record(layer, "dense", None, bypass=None if s.dense else "full_k")
+        return True
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         started = time.perf_counter()

@@ -21,6 +21,15 @@ class FfnCall(Protocol):
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
 
+    # Optional: `claim_dense_pass(positions) -> bool`. An FFN that would compute the plain dense FFN at every
+    # layer of this pass answers True (and accounts for the pass itself); the model then runs all layers in
+    # its whole-model decoder graph instead of calling the FFN per layer.
+
+
+def claims_dense_pass(ffn: FfnCall, positions: int) -> bool:
+    claim = getattr(ffn, "claim_dense_pass", None)
+    return claim is not None and bool(claim(positions))
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # (T, d) or (..., d)
@@ -141,10 +150,13 @@ class TransformerModel:
         self._output_matrix: np.ndarray | None = None
         self.rope = RopeTables(cfg.head_dim)
         self.graphs = None   # block_graphs.OnnxBlocks once attached: forward then runs in onnxruntime
+        self.decoder = None  # decoder_graph.OnnxDecoder: the whole model in one call, for plain dense passes
 
-    def use_graphs(self, graphs) -> None:
-        """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference)."""
+    def use_graphs(self, graphs, decoder=None) -> None:
+        """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference), and whole
+        dense passes through the decoder graph when one is given."""
         self.graphs = graphs
+        self.decoder = decoder if graphs is not None else None
 
     @property
     def layers(self) -> list[AttentionWeights]:
@@ -223,6 +235,10 @@ class TransformerModel:
         start = kv.length
         kv.reserve(start + ids.size)
         h = self.embed(ids)
+        if self.decoder is not None and not all_logits and claims_dense_pass(ffn, ids.size):
+            logits = self.decoder.run(h, start, kv, self.rope)
+            kv.length = start + ids.size
+            return logits
         if self.graphs is not None:
             return self._forward_graphs(h, start, kv, ffn, all_logits)
         positions = np.arange(start, start + ids.size)

@@ -146,8 +146,10 @@ class EngineWorker(QObject):
             self.load_progress.emit(message, float(fraction))
 
         progress(f"Loading {request.name_or_path}", 0.0)
-        model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress)
         c = self.cache_settings
+        # Sessions for what the current FFN mode runs; the other set is made on first use after a switch.
+        model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress,
+                             preload="decoder" if c.walk.dense else "layers")
         try:
             engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2, l3=self.l3)
         except ValueError:   # e.g. a K the previous model allowed but this one has not: start from defaults
