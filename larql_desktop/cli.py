@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads < 1 or args.threads > 256:
         parser.error(f"--threads must be between 1 and 256, not {args.threads}")
+    from .engine.graph_store import share_thread_pool
+
+    share_thread_pool(args.threads)   # this process makes no onnxruntime sessions but the engine's
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:   # GgufError, PatchError, bad settings, self-test failures

@@ -16,7 +16,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from larql_desktop.engine.graph_store import share_thread_pool  # noqa: E402
 from larql_desktop.engine.paths import AppPaths  # noqa: E402
+
+# As main() does: every onnxruntime session of the process on one shared pool (tests make theirs with
+# graph_store.session_options too).
+share_thread_pool(2)
 
 REFERENCE_FILE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp_reference.json"
 SCENARIOS_DIR = Path(__file__).resolve().parents[2] / "shared" / "scenarios"

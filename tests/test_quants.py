@@ -9,6 +9,7 @@ import pytest
 
 from larql_desktop.engine.gguf import QUANT_TYPES, GgufFile, GgufTensor
 from larql_desktop.engine import quants as Q
+from larql_desktop.engine.graph_store import session_options
 from model_files import gguf_path
 
 gquants = pytest.importorskip("gguf.quants")
@@ -61,9 +62,7 @@ def _run_ort(nodes, inits, x: np.ndarray, N: int) -> np.ndarray:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, N])], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
 
 

@@ -283,6 +283,10 @@ WORKERS = {"prepare": run_prepare_worker, "larql": run_larql_worker, "llama": ru
 def worker_main(argv: list[str]) -> int:
     """python -m larql_desktop.engine.bench SPEC.json OUT.json (internal: run by `bench`)."""
     spec = json.loads(Path(argv[0]).read_text())
+    if spec["worker"] != "llama":
+        from .graph_store import share_thread_pool
+
+        share_thread_pool(spec["threads"])   # as the CLI and the app run
     result = WORKERS[spec["worker"]](spec)
     Path(argv[1]).write_text(json.dumps(result))
     return 0

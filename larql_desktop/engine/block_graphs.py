@@ -168,10 +168,9 @@ class OnnxBlocks:
         head_build = partial(build_head_graph, gguf, config)
         store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
         store.save()
-        # Small per-layer matmuls gain nothing from a second thread (waking it costs what it saves);
-        # the head (the largest matmul by far) does.
-        self._layers = LazySessions(store, layer_files, session_options(1))
-        self._heads = LazySessions(store, [("head.onnx", head_build)], session_options(threads))
+        opts = session_options(threads)
+        self._layers = LazySessions(store, layer_files, opts)
+        self._heads = LazySessions(store, [("head.onnx", head_build)], opts)
         self._local = threading.local()
         self._zeros: dict[int, np.ndarray] = {}
 

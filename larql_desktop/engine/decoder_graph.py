@@ -107,14 +107,6 @@ def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     return make_model(nodes, inits, inputs, outputs, "decoder")
 
 
-def decoder_session_options(threads: int):
-    opts = session_options(threads)
-    # One session doing all the work: its threads should spin between the ~800 kernels of a step rather than
-    # sleep and be woken for each (77 vs 55 tok/s on SmolLM2). They go back to sleep shortly after the call.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    return opts
-
-
 class OnnxDecoder:
     """The whole-model graph of one model, checked/exported at load, its session made on first use."""
 
@@ -128,7 +120,9 @@ class OnnxDecoder:
         build = partial(build_decoder_graph, gguf, config)
         store.ensure(FILE, build, "Exporting the whole-model decoder graph to ONNX")
         store.save()
-        self._sessions = LazySessions(store, [(FILE, build)], decoder_session_options(threads))
+        # One session doing all the work: its threads should spin between the ~800 kernels of a step rather
+        # than sleep and be woken for each (77 vs 55 tok/s on SmolLM2 with a pool of its own).
+        self._sessions = LazySessions(store, [(FILE, build)], session_options(threads, spinning=True))
         self._local = threading.local()
 
     def load_sessions(self, progress: Progress | None = None) -> None:

@@ -6,8 +6,8 @@ single-position calls (decode) consult the cache; prefill, the full-K dense rewr
 INSERT overrides bypass it, each counted by reason.
 
 Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's own code):
-  * entries are namespaced by model checksum, K, key width and patch epoch, so a hit never serves an
-    output computed under another model, K or patch state;
+  * entries are namespaced by model checksum, K, key width, patch epoch and the graphs' numerics, so a hit
+    never serves an output computed under another model, K, patch state or version of the graphs;
   * `lru` eviction and a byte budget besides the seed's `drop` policy; overwriting a key is never dropped;
   * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
   * a verify mode that recomputes a fraction of hits and records the error a hit really carries;
@@ -430,6 +430,7 @@ class WalkSettings:
 
 class FfnGraphs(Protocol):
     config: object   # ModelConfig (its activation name is used for overridden features)
+    numerics: str    # names how the graphs compute (export format): part of every cache key's namespace
 
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
@@ -492,8 +493,11 @@ class WalkFfn:
         self._rng = np.random.default_rng(self.settings.verify_seed)
 
     def namespace(self, epoch: str) -> tuple:
+        """What an entry's output depends on besides the feature key: the model, K, key width, the layer's
+        patch epoch and the graphs' numerics (a persistent L3 entry computed by older graphs, e.g. with fp32
+        activations, is never served to newer ones)."""
         s = self.settings
-        return (self.model_checksum, s.top_k, s.key_width, epoch)
+        return (self.model_checksum, s.top_k, s.key_width, epoch, self.graphs.numerics)
 
     def _record(self, layer, outcome, started, **kw):
         seconds = None if started is None else time.perf_counter() - started

@@ -135,6 +135,7 @@ class OnnxFfn:
                  threads: int = 2, progress: Progress | None = None):
         self.config = config
         self.gguf = gguf
+        self.numerics = f"onnx-ffn-{EXPORT_FORMAT}"   # cache entries made by other graphs are not served
         self.directory = Path(onnx_root) / checksum
         self._store = GraphStore(self.directory, "manifest.json", EXPORT_FORMAT, progress)
         self.rebuilt = self._store.rebuilt   # files exported (or re-exported because missing/corrupt) by this load

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from functools import partial
@@ -22,6 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+log = logging.getLogger(__name__)
 OPSET = 21          # Gelu with approximate="tanh" needs opset 20+
 Progress = Callable[[str, float], None]
 PROVIDERS = ["CPUExecutionProvider"]
@@ -36,14 +38,48 @@ def make_model(nodes, inits, inputs, outputs, name: str) -> onnx.ModelProto:
     return model
 
 
-def session_options(threads: int) -> ort.SessionOptions:
+# onnxruntime's process-wide intra-op thread pool, when main() asks for it (share_thread_pool). One pool
+# instead of one per session: a walk step alternates ~60 small calls between ~90 sessions, and each
+# per-session pool had to wake its sleeping worker for every call (SmolLM2, attention + gate of 30 layers:
+# 14.3 ms per token with per-session pools, 8.2 ms with the shared one; a dense per-layer FFN 360 -> 253 us).
+# onnxruntime creates that pool once per process, cannot resize it, and then refuses sessions with pools of
+# their own, so whether it exists is a fact about the process, remembered here.
+_shared_pool_size = 0
+_shared_pool_lock = threading.Lock()
+
+
+def share_thread_pool(threads: int) -> bool:
+    """Run every session this module makes on one onnxruntime pool of `threads` threads. For an entry point
+    (main) to call before any session exists: onnxruntime then refuses sessions with pools of their own in
+    this process, so a program that makes its own sessions should not call it. Returns whether the pool is in
+    place (False if onnxruntime sessions existed already, or a pool of another size did)."""
+    global _shared_pool_size
+    threads = max(1, int(threads))
+    with _shared_pool_lock:
+        if _shared_pool_size:
+            return _shared_pool_size == threads
+        try:
+            _C.set_global_thread_pool_sizes(threads, 1)
+        except Exception as exc:    # no C binding, or the environment exists already
+            log.info("onnxruntime's shared thread pool is not available (%s); sessions get their own", exc)
+            return False
+        _shared_pool_size = threads
+        return True
+
+
+def session_options(threads: int, spinning: bool = False) -> ort.SessionOptions:
+    """Options for a session computing with `threads` threads: on the shared pool when there is one (its size
+    then rules), else on a pool of its own whose threads spin between kernels only if `spinning` (one busy
+    session: the decoder; dozens of sessions each with a spinning pool make every call cost milliseconds)."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = max(1, int(threads))
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Dozens of sessions each with a spinning pool make every call cost milliseconds.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
+    if _shared_pool_size:
+        opts.use_per_session_threads = False
+    else:
+        opts.intra_op_num_threads = max(1, int(threads))
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return opts
 
 
