@@ -174,3 +174,25 @@ def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smoll
         assert hashed == ["decoder.onnx"]
     finally:
         graph_store._sha256_file = real
+
+
+def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, app_paths):
+    """The decoder loads from onnxruntime's optimised copy (made by the first load): same logits as the
+    source; a damaged copy is noticed (size/time changed, hash differs) and made again."""
+    from larql_desktop.engine.decoder_graph import OnnxDecoder
+
+    cfg = smollm2.config
+    ids = np.array(smollm2.tokenizer.encode("Seven eight nine"))
+    h = smollm2.transformer.embed(ids)
+    expected = smollm2.transformer.forward(ids, KvCache(cfg), _per_layer(smollm2))
+    directory = app_paths.onnx_dir / smollm2.checksum
+    for damage in (False, True):
+        copies = sorted(directory.glob("decoder.optimized-ort*"))
+        assert [p.suffix for p in copies] == [".onnx", ".data"]
+        data = copies[1]
+        if damage:
+            data.write_bytes(data.read_bytes()[:-64])
+        decoder = OnnxDecoder(smollm2.gguf, cfg, smollm2.checksum, app_paths.onnx_dir, threads=2)
+        logits = decoder.run(h, 0, KvCache(cfg), smollm2.transformer.rope)
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    assert data.stat().st_size > 1_000_000 and data.stat().st_size % 4 == 0     # made again in full

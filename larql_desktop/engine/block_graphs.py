@@ -168,7 +168,7 @@ class OnnxBlocks:
         head_build = partial(build_head_graph, gguf, config)
         store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
         store.save()
-        opts = session_options(threads)
+        opts = partial(session_options, threads)
         self._layers = LazySessions(store, layer_files, opts)
         self._heads = LazySessions(store, [("head.onnx", head_build)], opts)
         self._local = threading.local()

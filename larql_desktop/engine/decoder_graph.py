@@ -122,7 +122,8 @@ class OnnxDecoder:
         store.save()
         # One session doing all the work: its threads should spin between the ~800 kernels of a step rather
         # than sleep and be woken for each (77 vs 55 tok/s on SmolLM2 with a pool of its own).
-        self._sessions = LazySessions(store, [(FILE, build)], session_options(threads, spinning=True))
+        self._sessions = LazySessions(store, [(FILE, build)], partial(session_options, threads, spinning=True),
+                                      optimized=True)
         self._local = threading.local()
 
     def load_sessions(self, progress: Progress | None = None) -> None:

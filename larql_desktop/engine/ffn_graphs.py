@@ -149,7 +149,7 @@ class OnnxFfn:
                                    (layer + 0.5) / n)
                 files[kind].append((name, build))
         self._store.save()
-        opts = session_options(threads)
+        opts = partial(session_options, threads)
         self._gate, self._walk, self._dense = (LazySessions(self._store, files[kind], opts)
                                                for kind in ("gate", "walk", "dense"))
         self._ones = np.ones((1, config.intermediate), np.float32)

@@ -72,12 +72,12 @@ def session_options(threads: int, spinning: bool = False) -> ort.SessionOptions:
     then rules), else on a pool of its own whose threads spin between kernels only if `spinning` (one busy
     session: the decoder; dozens of sessions each with a spinning pool make every call cost milliseconds)."""
     opts = ort.SessionOptions()
-    opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.log_severity_level = 3
     if _shared_pool_size:
         opts.use_per_session_threads = False
     else:
+        opts.inter_op_num_threads = 1
         opts.intra_op_num_threads = max(1, int(threads))
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     return opts
@@ -168,16 +168,69 @@ class GraphStore:
             return self.export(name, build, message, fraction)
         return self.directory / name
 
-    def session(self, name: str, build: Callable[[], onnx.ModelProto], opts: ort.SessionOptions,
-                message: str | None = None, fraction: float = 0.0, verified: bool = False) -> ort.InferenceSession:
-        """A session on the file `name`; `verified` skips the check (done by an earlier `ensure`)."""
+    def session(self, name: str, build: Callable[[], onnx.ModelProto], make_opts: Callable[[], ort.SessionOptions],
+                message: str | None = None, fraction: float = 0.0, verified: bool = False,
+                optimized: bool = False) -> ort.InferenceSession:
+        """A session on the file `name`; `verified` skips the check (done by an earlier `ensure`).
+
+        `optimized`: load onnxruntime's own optimised copy of the file, made by the first load and kept next to
+        it with its weights as external data (per onnxruntime version: the copy may use kernels of this build
+        and machine). onnxruntime then neither parses the big protobuf nor re-runs its graph optimisations:
+        the Gemma decoder loads in 0.53 s instead of 1.35 s."""
         path = self.directory / name if verified else self.ensure(name, build, message, fraction)
+        if optimized:
+            session = self._optimized_session(path, make_opts)
+            if session is not None:
+                return session
         try:
-            return ort.InferenceSession(str(path), opts, providers=PROVIDERS)
+            return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
         except Exception:       # unreadable despite a matching hash: rebuild it
             path = self.export(name, build, message, fraction)
             self.save()
-            return ort.InferenceSession(str(path), opts, providers=PROVIDERS)
+            return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
+
+    def _optimized_session(self, source: Path, make_opts) -> ort.InferenceSession | None:
+        """A session on the optimised copy of `source`, writing the copy first if it is missing or changed;
+        None when onnxruntime cannot load `source` (the caller rebuilds it)."""
+        stem = source.name.removesuffix(".onnx")
+        name = f"{stem}.optimized-ort{ort.__version__}.onnx"
+        data = name + ".data"
+        opts = make_opts()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if self.is_valid(name) and self.is_valid(data):
+            try:
+                return ort.InferenceSession(str(self.directory / name), opts, providers=PROVIDERS)
+            except Exception:
+                log.info("the optimised copy %s does not load; making it again", name)
+        staging = self.directory / f".{name}.{os.getpid()}.{threading.get_ident()}"
+        staging.mkdir(exist_ok=True)
+        try:
+            opts = make_opts()
+            opts.optimized_model_filepath = str(staging / name)
+            # The weights go to a file of their own, named relative to the model: it moves with it.
+            opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
+            opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                          "1024")
+            try:
+                session = ort.InferenceSession(str(source), opts, providers=PROVIDERS)
+            except Exception:
+                return None
+            for old in self.directory.glob(f"{stem}.optimized-ort*"):   # other onnxruntime versions
+                old.unlink(missing_ok=True)
+            os.replace(staging / data, self.directory / data)
+            os.replace(staging / name, self.directory / name)
+            with self._lock:
+                for file in (data, name):
+                    stat = (self.directory / file).stat()
+                    self._manifest[file] = {"sha256": _sha256_file(self.directory / file), "size": stat.st_size,
+                                            "mtime_ns": stat.st_mtime_ns}
+                self._dirty = True
+            self.save()
+            return session
+        finally:
+            for leftover in staging.glob("*"):
+                leftover.unlink(missing_ok=True)
+            staging.rmdir()
 
     def save(self) -> None:
         with self._lock:
@@ -194,8 +247,8 @@ class LazySessions:
     `GraphStore.ensure` first; a file onnxruntime refuses is exported again then."""
 
     def __init__(self, store: GraphStore, files: list[tuple[str, Callable[[], onnx.ModelProto]]],
-                 opts: ort.SessionOptions):
-        self._store, self._files, self._opts = store, files, opts
+                 make_opts: Callable[[], ort.SessionOptions], optimized: bool = False):
+        self._store, self._files, self._make_opts, self._optimized = store, files, make_opts, optimized
         self._sessions: list[ort.InferenceSession | None] = [None] * len(files)
         self._lock = threading.Lock()
 
@@ -209,7 +262,8 @@ class LazySessions:
                 session = self._sessions[i]
                 if session is None:
                     name, build = self._files[i]
-                    session = self._sessions[i] = self._store.session(name, build, self._opts, verified=True)
+                    session = self._sessions[i] = self._store.session(name, build, self._make_opts, verified=True,
+                                                                      optimized=self._optimized)
         return session
 
     def load_all(self, progress: Progress | None = None, message: str = "Loading ONNX graphs") -> None:
