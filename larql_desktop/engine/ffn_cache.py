@@ -507,16 +507,23 @@ class WalkFfn:
         for st in self.stats:
             st.record(layer, outcome, seconds, **kw)
 
+    def picks_for(self, scores: np.ndarray) -> list[np.ndarray]:
+        """Each position's top-K features (what a cache key is made from)."""
+        k = self.settings.top_k
+        return [select_features(row, k) for row in scores]
+
+    @staticmethod
+    def mask_from(picks: list[np.ndarray], scores: np.ndarray) -> np.ndarray:
+        """(T, F) 0/1 mask of the picked features: what the walk graph sums over."""
+        mask = np.zeros_like(scores)
+        for t, chosen in enumerate(picks):
+            mask[t, chosen] = 1.0
+        return mask
+
     def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """(T, F) 0/1 mask of the top-K features per position, and each position's selection."""
-        k = self.settings.top_k
-        mask = np.zeros_like(scores)
-        picks = []
-        for t in range(scores.shape[0]):
-            chosen = select_features(scores[t], k)
-            mask[t, chosen] = 1.0
-            picks.append(chosen)
-        return mask, picks
+        picks = self.picks_for(scores)
+        return self.mask_from(picks, scores), picks
 
     def _patched(self, layer: int, x: np.ndarray):
         """(overrides or None, their gate scores under the overlay (T, n), where each override holds its slot)."""
@@ -585,7 +592,7 @@ class WalkFfn:
         # Gate KNN: the base features compete exactly as in the base model (an overridden slot keeps its base
         # score in the ranking), so a patch never reshuffles which base features are selected.
         scores = self.graphs.gate_scores(layer, x)
-        mask, picks = self.mask_for(scores)
+        picks = self.picks_for(scores)     # the mask is made only where a walk runs: a hit needs the key alone
         patched = self._patched(layer, x)
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
@@ -599,7 +606,7 @@ class WalkFfn:
         else:
             bypass = None if tiers else "cache_off"
         if bypass is not None:
-            out = self._walk(layer, x, scores, mask, patched)
+            out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
             self._record(layer, "bypass", started, bypass=bypass)
             return out
         # Only untouched feature sets reach here: their output depends on the base weights alone.
@@ -618,9 +625,9 @@ class WalkFfn:
                     upper.store(layer, key, entry, bucket)
                 self._record(layer, "hit", started, tier_results=tuple(results))
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
-                    self._verify(layer, x, scores, mask, entry)   # not part of the hit's latency
+                    self._verify(layer, x, scores, self.mask_from(picks, scores), entry)   # not timed
                 return entry.output[None, :].copy()
-        out = self._walk(layer, x, scores, mask, patched)
+        out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
         entry = CacheEntry(_frozen(out[0]), _frozen(x0))
         for tier in tiers:
             tier.store(layer, key, entry, bucket)
