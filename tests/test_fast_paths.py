@@ -196,3 +196,42 @@ def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_dama
         logits = decoder.run(h, 0, KvCache(cfg), smollm2.transformer.rope)
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     assert data.stat().st_size > 1_000_000 and data.stat().st_size % 4 == 0     # made again in full
+
+
+def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
+    """The walk's layer graphs also give the FFN's gate scores: the same h, x and scores as the plain layer
+    graph followed by the gate graph, and a walk generation through them (one call fewer per layer) produces
+    the same logits and the same cache keys as one that computes the scores itself."""
+    from larql_desktop.engine.ffn_cache import CacheStats, CacheTier, WalkFfn, WalkSettings
+
+    cfg, tr = smollm2.config, smollm2.transformer
+    graphs = tr.graphs
+    assert graphs.has_gate_scores
+    kv = KvCache(cfg)
+    h = tr.embed(np.array(smollm2.tokenizer.encode("A small test")))
+    f = graphs.zeros(h.shape[0])
+    cos, sin = tr.rope.table(cfg.rope_base_for(2), h.shape[0])
+    keys, values = kv.keys[2].copy(), kv.values[2].copy()
+    h1, x1 = graphs.run_layer(2, h, f, keys, values, 0, cos, sin)
+    h2, x2, scores = graphs.run_layer(2, h, f, kv.keys[2], kv.values[2], 0, cos, sin, gate_scores=True)
+    np.testing.assert_array_equal(h1, h2)
+    np.testing.assert_array_equal(x1, x2)
+    np.testing.assert_allclose(scores, smollm2.ffn.gate_scores(2, x2), rtol=1e-5, atol=1e-5)
+
+    def walk(log):
+        n = cfg.n_layers
+        return WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), CacheTier("L1", n), None,
+                       (CacheStats(n),), key_log=log)
+
+    ids = smollm2.tokenizer.encode("The sky is")
+    fused_log, plain_log = [], []
+    fused, plain = walk(fused_log), walk(plain_log)
+    assert fused.takes_gate_scores
+    plain_call = lambda layer, x: plain(layer, x)       # noqa: E731  (no takes_gate_scores: scores computed)
+    kv_a, kv_b = KvCache(cfg), KvCache(cfg)
+    a, b = tr.forward(ids, kv_a, fused), tr.forward(ids, kv_b, plain_call)
+    for _ in range(4):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+        token = int(np.argmax(b))
+        a, b = tr.forward([token], kv_a, fused), tr.forward([token], kv_b, plain_call)
+    assert fused_log == plain_log and len(fused_log) == 4 * cfg.n_layers

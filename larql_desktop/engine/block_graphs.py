@@ -10,6 +10,8 @@ head and Python overhead. These graphs move that work into onnxruntime with the 
       attention with rope, causal / sliding-window mask and the KV cache (com.microsoft GroupQueryAttention;
       the cache's numpy buffers are bound as both past and present, so the new keys/values land in place)
       h_out = h1 + post_attn_norm(attn @ Wo.T);  x_ffn = rms_norm(h_out, ffn_norm)     -> h_out, x_ffn
+      (the "gated" variant also gives the FFN's gate scores x_ffn @ W_gate.T: the walk FFN starts from them,
+      so a walk step saves a call per layer)
   FFN          x_ffn -> f, the FfnCall (unchanged: the walk FFN and the activation cache attach there)
   head graph   h, f of the last layer -> logits = rms_norm(h + post_ffn_norm(f), output_norm) @ W_out.T
 
@@ -54,7 +56,7 @@ def _residual_in(gguf: GgufFile, cfg: ModelConfig, layer: int, nodes, inits) -> 
     return "f"
 
 
-def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int, gated: bool = False) -> onnx.ModelProto:
     p = f"blk.{layer}."
     H, KV, hd, d, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, float(cfg.norm_eps)
     nodes, inits = [], []
@@ -129,6 +131,11 @@ def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Mode
                helper.make_tensor_value_info("x_ffn", FLOAT, ["T", d]),
                helper.make_tensor_value_info("present_key", FLOAT, cache),
                helper.make_tensor_value_info("present_value", FLOAT, cache)]
+    if gated:
+        gate_nodes, gate_inits = linear([t[f"{p}ffn_gate.weight"]], "x_ffn", "scores")
+        nodes += gate_nodes
+        inits += gate_inits
+        outputs.append(helper.make_tensor_value_info("scores", FLOAT, ["T", cfg.intermediate]))
     return make_model(nodes, inits, inputs, outputs, f"layer_{layer}")
 
 
@@ -160,23 +167,33 @@ class OnnxBlocks:
         store = GraphStore(self.directory, MANIFEST, BLOCK_EXPORT_FORMAT, progress)
         self.rebuilt = store.rebuilt
         n = config.n_layers
-        layer_files = []
+        layer_files, gated_files = [], []
         for layer in range(n):
-            name, build = f"layer{layer:02d}.attn.onnx", partial(build_layer_graph, gguf, config, layer)
-            store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX", layer / (n + 1))
-            layer_files.append((name, build))
+            for kind, files in (("attn", layer_files), ("attn_gate", gated_files)):
+                name = f"layer{layer:02d}.{kind}.onnx"
+                build = partial(build_layer_graph, gguf, config, layer, gated=kind == "attn_gate")
+                store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX",
+                             layer / (n + 1))
+                files.append((name, build))
         head_build = partial(build_head_graph, gguf, config)
         store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
         store.save()
         opts = partial(session_options, threads)
         self._layers = LazySessions(store, layer_files, opts)
+        self._gated = LazySessions(store, gated_files, opts)
         self._heads = LazySessions(store, [("head.onnx", head_build)], opts)
         self._local = threading.local()
         self._zeros: dict[int, np.ndarray] = {}
 
-    def load_sessions(self, progress: Progress | None = None) -> None:
-        """Create the sessions now rather than on first use."""
-        self._layers.load_all(progress, "Loading the attention graphs")
+    @property
+    def has_gate_scores(self) -> bool:
+        """Whether run_layer can also give the FFN's gate scores (the gated graphs exist)."""
+        return self._gated is not None
+
+    def load_sessions(self, progress: Progress | None = None, gated: bool = False) -> None:
+        """Create the sessions now rather than on first use: the plain attention graphs, or the gated ones
+        (what the walk FFN runs)."""
+        (self._gated if gated else self._layers).load_all(progress, "Loading the attention graphs")
         self._heads.load_all()
 
     @classmethod
@@ -185,7 +202,7 @@ class OnnxBlocks:
         """Blocks from sessions made elsewhere (tests: graphs built in memory for a modified config)."""
         self = cls.__new__(cls)
         self.config, self.directory, self.rebuilt = config, None, []
-        self._layers, self._heads = list(layers), [head]
+        self._layers, self._gated, self._heads = list(layers), None, [head]
         self._local = threading.local()
         self._zeros = {}
         return self
@@ -193,7 +210,7 @@ class OnnxBlocks:
     def _state(self):
         state = getattr(self._local, "state", None)
         if state is None:   # per thread: bindings are not thread-safe, sessions are
-            state = self._local.state = _ThreadState(self._layers, self._heads)
+            state = self._local.state = _ThreadState(self._layers, self._gated, self._heads)
         return state
 
     def zeros(self, T: int) -> np.ndarray:
@@ -203,14 +220,15 @@ class OnnxBlocks:
         return z
 
     def run_layer(self, layer: int, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                  start: int, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  start: int, cos: np.ndarray, sin: np.ndarray, gate_scores: bool = False):
         """One layer up to the FFN input; writes rows start..start+T of keys/values (KV, cap, hd) in place.
-        h, f: (T, d) contiguous float32; cos/sin: rope tables covering positions < start + T."""
+        h, f: (T, d) contiguous float32; cos/sin: rope tables covering positions < start + T.
+        Returns (h_out, x_ffn), or (h_out, x_ffn, the FFN's gate scores (T, F)) with `gate_scores`."""
         T, d = h.shape
         state = self._state()
         state.seqlens[0] = start + T - 1
         state.total[()] = start + T
-        b = state.layer(layer)
+        b = state.layer(layer, gate_scores)
         h_out = np.empty((T, d), np.float32)
         x_ffn = np.empty((T, d), np.float32)
         views = state.kv_views[layer]
@@ -229,8 +247,13 @@ class OnnxBlocks:
         b.bind_output("x_ffn", x_ffn)
         b.bind_output("present_key", keys4)
         b.bind_output("present_value", values4)
+        if not gate_scores:
+            b.run()
+            return h_out, x_ffn
+        scores = np.empty((T, self.config.intermediate), np.float32)
+        b.bind_output("scores", scores)
         b.run()
-        return h_out, x_ffn
+        return h_out, x_ffn, scores
 
     def run_head(self, h: np.ndarray, f: np.ndarray) -> np.ndarray:
         b = self._state().head
@@ -245,18 +268,19 @@ class OnnxBlocks:
 class _ThreadState:
     """One thread's IO bindings, made on the first call of each session."""
 
-    def __init__(self, layers, heads):
-        self._layer_sessions, self._heads = layers, heads
-        self._layers: list[Binding | None] = [None] * len(layers)
+    def __init__(self, layers, gated, heads):
+        self._sessions = {False: layers, True: gated}
+        self._heads = heads
+        self._bindings: dict[bool, list[Binding | None]] = {False: [None] * len(layers), True: [None] * len(layers)}
         self._head: Binding | None = None
         self.kv_views = [(None, None, None, None)] * len(layers)
         self.seqlens = np.zeros(1, np.int32)     # updated in place, bound once
         self.total = np.zeros((), np.int32)
 
-    def layer(self, i: int) -> Binding:
-        b = self._layers[i]
+    def layer(self, i: int, gated: bool = False) -> Binding:
+        b = self._bindings[gated][i]
         if b is None:
-            b = self._layers[i] = Binding(self._layer_sessions[i])
+            b = self._bindings[gated][i] = Binding(self._sessions[gated][i])
         return b
 
     @property

@@ -582,7 +582,17 @@ class WalkFfn:
             self._record(layer, "dense", None, bypass=None if s.dense else "full_k")
         return True
 
+    @property
+    def takes_gate_scores(self) -> bool:
+        """The walk starts from the gate scores: the model may hand them over from the layer graph's call
+        (`call_with_scores`) rather than have them computed by a call of their own."""
+        return not (self.settings.dense or self.full_k)
+
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.call_with_scores(layer, x, None)
+
+    def call_with_scores(self, layer: int, x: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
+        """The FFN at `layer` for x; `scores`: x @ W_gate.T of the base weights when the caller has them."""
         started = time.perf_counter()
         s = self.settings
         if s.dense or self.full_k:
@@ -591,7 +601,8 @@ class WalkFfn:
             return out
         # Gate KNN: the base features compete exactly as in the base model (an overridden slot keeps its base
         # score in the ranking), so a patch never reshuffles which base features are selected.
-        scores = self.graphs.gate_scores(layer, x)
+        if scores is None:
+            scores = self.graphs.gate_scores(layer, x)
         picks = self.picks_for(scores)     # the mask is made only where a walk runs: a hit needs the key alone
         patched = self._patched(layer, x)
         ovr, _, holds = patched

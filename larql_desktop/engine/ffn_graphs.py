@@ -155,10 +155,11 @@ class OnnxFfn:
         self._ones = np.ones((1, config.intermediate), np.float32)
         self._local = threading.local()   # per thread: IO bindings of the dense sessions
 
-    def load_sessions(self, progress: Progress | None = None) -> None:
-        """Create every layer's sessions now rather than on first use (the app, before its first message)."""
-        for kind, sessions in (("dense", self._dense), ("gate", self._gate), ("walk", self._walk)):
-            sessions.load_all(progress, f"Loading the {kind} FFN graphs")
+    def load_sessions(self, progress: Progress | None = None, kinds=tuple(BUILDERS)) -> None:
+        """Create every layer's sessions of these kinds now rather than on first use."""
+        sessions = {"dense": self._dense, "gate": self._gate, "walk": self._walk}
+        for kind in kinds:
+            sessions[kind].load_all(progress, f"Loading the {kind} FFN graphs")
 
     def load_walk_sessions(self) -> None:
         """Create every layer's gate/walk sessions now rather than on first use."""

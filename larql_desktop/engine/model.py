@@ -24,6 +24,8 @@ class FfnCall(Protocol):
     # Optional: `claim_dense_pass(positions) -> bool`. An FFN that would compute the plain dense FFN at every
     # layer of this pass answers True (and accounts for the pass itself); the model then runs all layers in
     # its whole-model decoder graph instead of calling the FFN per layer.
+    # Optional: `takes_gate_scores` (True) and `call_with_scores(layer, x, scores)`: an FFN that starts from
+    # the gate scores x @ W_gate.T (the walk) gets them from the layer graph's own call.
 
 
 def claims_dense_pass(ffn: FfnCall, positions: int) -> bool:
@@ -259,10 +261,16 @@ class TransformerModel:
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
         f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
+        with_scores = graphs.has_gate_scores and bool(getattr(ffn, "takes_gate_scores", False))
         for i in range(cfg.n_layers):
             cos, sin = bases[cfg.rope_base_for(i)]
-            h, x = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin)
-            f = np.ascontiguousarray(ffn(i, x), dtype=np.float32)
+            if with_scores:
+                h, x, scores = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin, gate_scores=True)
+                out = ffn.call_with_scores(i, x, scores)
+            else:
+                h, x = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin)
+                out = ffn(i, x)
+            f = np.ascontiguousarray(out, dtype=np.float32)
         kv.length = start + T
         return graphs.run_head(h, f) if all_logits else graphs.run_head(h[-1:], f[-1:])
 

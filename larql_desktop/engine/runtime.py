@@ -131,9 +131,12 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
         log.info("exported %d ONNX graphs for %s to %s", exported, path.name, ffn.directory)
     if preload in ("all", "decoder"):
         decoder.load_sessions(part(0.75, 0.8))
-    if preload in ("all", "layers"):
-        blocks.load_sessions(part(0.8, 0.88))
-        ffn.load_sessions(part(0.88, 1.0))
+    if preload in ("all", "layers"):      # what a walk step runs: attention with the gate, then the walk
+        blocks.load_sessions(part(0.8, 0.88), gated=True)
+        ffn.load_sessions(part(0.88, 1.0), kinds=("walk",))
+    if preload == "all":
+        blocks.load_sessions(gated=False)
+        ffn.load_sessions()
     transformer.use_graphs(blocks, decoder)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.2f s", path.name, seconds)
