@@ -146,7 +146,6 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
 
 def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smollm2, app_paths):
     from larql_desktop.engine import graph_store
-    from larql_desktop.engine.decoder_graph import OnnxDecoder
 
     directory = app_paths.onnx_dir / smollm2.checksum
     hashed = []
@@ -156,22 +155,21 @@ def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smoll
         hashed.append(path.name)
         return real(path)
 
+    def load():
+        return OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1).rebuilt
+
     graph_store._sha256_file = counting
     try:
-        again = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
-        assert again.rebuilt == [] and hashed == []
-        victim = directory / "decoder.onnx"
+        assert load() == [] and hashed == []
+        victim = directory / "head.onnx"
         good = victim.read_bytes()
         victim.write_bytes(good[:-16] + bytes(16))           # same size, new contents
-        again = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
-        assert again.rebuilt == ["decoder.onnx"] and hashed == ["decoder.onnx"]
+        assert load() == ["head.onnx"] and hashed == ["head.onnx"]
         assert victim.read_bytes() == good
         victim.touch()                                         # same contents, new time: hashed once, kept
         hashed.clear()
-        for _ in range(2):
-            assert OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir,
-                               threads=1).rebuilt == []
-        assert hashed == ["decoder.onnx"]
+        assert load() == [] and load() == []
+        assert hashed == ["head.onnx"]
     finally:
         graph_store._sha256_file = real
 
@@ -189,13 +187,16 @@ def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_dama
     for damage in (False, True):
         copies = sorted(directory.glob("decoder.optimized-ort*"))
         assert [p.suffix for p in copies] == [".onnx", ".data"]
+        assert not (directory / "decoder.onnx").exists()      # the copy replaced the export
         data = copies[1]
         if damage:
             data.write_bytes(data.read_bytes()[:-64])
         decoder = OnnxDecoder(smollm2.gguf, cfg, smollm2.checksum, app_paths.onnx_dir, threads=2)
         logits = decoder.run(h, 0, KvCache(cfg), smollm2.transformer.rope)
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+        assert decoder.rebuilt == (["decoder.onnx"] if damage else [])    # exported again to remake the copy
     assert data.stat().st_size > 1_000_000 and data.stat().st_size % 4 == 0     # made again in full
+    assert not (directory / "decoder.onnx").exists()
 
 
 def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):

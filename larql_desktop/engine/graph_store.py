@@ -83,6 +83,12 @@ def session_options(threads: int, spinning: bool = False) -> ort.SessionOptions:
     return opts
 
 
+def _optimized_names(name: str) -> tuple[str, str]:
+    """The optimised copy of the graph file `name` and its weights file, for this onnxruntime version."""
+    copy = f"{name.removesuffix('.onnx')}.optimized-ort{ort.__version__}.onnx"
+    return copy, copy + ".data"
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
@@ -162,8 +168,13 @@ class GraphStore:
         return path
 
     def ensure(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
-               fraction: float = 0.0) -> Path:
-        """The file's path after checking its hash, exported again if it does not match."""
+               fraction: float = 0.0, optimized: bool = False) -> Path:
+        """The file's path after checking it, exported again if it does not match. `optimized`: a valid
+        optimised copy (see `session`) stands in for the file, which it replaced."""
+        if optimized:
+            copy, data = _optimized_names(name)
+            if self.is_valid(copy) and self.is_valid(data):
+                return self.directory / copy
         if not self.is_valid(name):
             return self.export(name, build, message, fraction)
         return self.directory / name
@@ -173,15 +184,15 @@ class GraphStore:
                 optimized: bool = False) -> ort.InferenceSession:
         """A session on the file `name`; `verified` skips the check (done by an earlier `ensure`).
 
-        `optimized`: load onnxruntime's own optimised copy of the file, made by the first load and kept next to
-        it with its weights as external data (per onnxruntime version: the copy may use kernels of this build
-        and machine). onnxruntime then neither parses the big protobuf nor re-runs its graph optimisations:
-        the Gemma decoder loads in 0.53 s instead of 1.35 s."""
-        path = self.directory / name if verified else self.ensure(name, build, message, fraction)
+        `optimized`: on onnxruntime's own optimised copy of the file, made by the first load from the exported
+        file, which it then replaces (its weights as external data; named per onnxruntime version, as the copy
+        may use kernels of this build and machine). onnxruntime then neither parses the big protobuf nor
+        re-runs its graph optimisations (the Gemma decoder loads in 0.53 s instead of 1.35 s), and the disk
+        holds one copy of the weights. A copy that is missing, changed or refused is made again, from a fresh
+        export if need be."""
         if optimized:
-            session = self._optimized_session(path, make_opts)
-            if session is not None:
-                return session
+            return self._optimized_session(name, build, make_opts, message, fraction)
+        path = self.directory / name if verified else self.ensure(name, build, message, fraction)
         try:
             return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
         except Exception:       # unreadable despite a matching hash: rebuild it
@@ -189,43 +200,62 @@ class GraphStore:
             self.save()
             return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
 
-    def _optimized_session(self, source: Path, make_opts) -> ort.InferenceSession | None:
-        """A session on the optimised copy of `source`, writing the copy first if it is missing or changed;
-        None when onnxruntime cannot load `source` (the caller rebuilds it)."""
-        stem = source.name.removesuffix(".onnx")
-        name = f"{stem}.optimized-ort{ort.__version__}.onnx"
-        data = name + ".data"
-        opts = make_opts()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        if self.is_valid(name) and self.is_valid(data):
+    def _optimized_session(self, name: str, build, make_opts, message, fraction) -> ort.InferenceSession:
+        copy, data = _optimized_names(name)
+        if self.is_valid(copy) and self.is_valid(data):
+            opts = make_opts()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             try:
-                return ort.InferenceSession(str(self.directory / name), opts, providers=PROVIDERS)
+                session = ort.InferenceSession(str(self.directory / copy), opts, providers=PROVIDERS)
             except Exception:
-                log.info("the optimised copy %s does not load; making it again", name)
-        staging = self.directory / f".{name}.{os.getpid()}.{threading.get_ident()}"
+                log.info("the optimised copy %s does not load; making it again", copy)
+            else:
+                self._drop(name)      # an export left from an interrupted replacement
+                return session
+        source = self.ensure(name, build, message, fraction)
+        try:
+            session = self._write_optimized(source, copy, data, make_opts)
+        except Exception:       # unreadable despite a matching hash: export it again
+            source = self.export(name, build, message, fraction)
+            session = self._write_optimized(source, copy, data, make_opts)
+        self._drop(name)      # the copy replaces it
+        return session
+
+    def _drop(self, name: str) -> None:
+        """Delete the file `name` and its manifest entry, if there are any."""
+        path = self.directory / name
+        if not path.exists() and name not in self._manifest:
+            return
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self._manifest.pop(name, None)
+            self._dirty = True
+        self.save()
+
+    def _write_optimized(self, source: Path, copy: str, data: str, make_opts) -> ort.InferenceSession:
+        """A session on `source` that writes its optimised graph as `copy` + `data` (moved into place together
+        once written) and records both in the manifest."""
+        staging = self.directory / f".{copy}.{os.getpid()}.{threading.get_ident()}"
         staging.mkdir(exist_ok=True)
         try:
             opts = make_opts()
-            opts.optimized_model_filepath = str(staging / name)
+            opts.optimized_model_filepath = str(staging / copy)
             # The weights go to a file of their own, named relative to the model: it moves with it.
             opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", data)
             opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                           "1024")
-            try:
-                session = ort.InferenceSession(str(source), opts, providers=PROVIDERS)
-            except Exception:
-                return None
+            session = ort.InferenceSession(str(source), opts, providers=PROVIDERS)
+            stem = source.name.removesuffix(".onnx")
             for old in self.directory.glob(f"{stem}.optimized-ort*"):   # other onnxruntime versions
                 old.unlink(missing_ok=True)
             os.replace(staging / data, self.directory / data)
-            os.replace(staging / name, self.directory / name)
+            os.replace(staging / copy, self.directory / copy)
             with self._lock:
-                for file in (data, name):
+                for file in (data, copy):
                     stat = (self.directory / file).stat()
                     self._manifest[file] = {"sha256": _sha256_file(self.directory / file), "size": stat.st_size,
                                             "mtime_ns": stat.st_mtime_ns}
                 self._dirty = True
-            self.save()
             return session
         finally:
             for leftover in staging.glob("*"):
