@@ -27,13 +27,12 @@ from .quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes
 EXPORT_FORMAT = 3   # bump when the graphs change, so old exports are rebuilt
 
 
-def accuracy_level_for(w) -> int:
-    """MatMulNBits accuracy level for a weight: 4, int8-quantised activations in blocks of the weight's block
-    size, as llama.cpp's CPU kernels quantise them (Q8_0/Q8_1). onnxruntime 1.32 runs 4-bit weights ~2x and
-    8-bit ones ~30x faster at this level than with fp32 activations (level 0). It moves answers only at
-    near-ties: `verify-reference` stays at >= 99.6% agreement with llama.cpp at clear positions, but the fp32
-    model's "Paris." for SmolLM2's "What is the capital of France?" is llama.cpp's "L'Étoile…" here too."""
-    return 4
+# MatMulNBits accuracy level of every weight: 4, int8-quantised activations in blocks of the weight's block size,
+# as llama.cpp's CPU kernels quantise them (Q8_0/Q8_1). onnxruntime 1.32 runs 4-bit weights ~2x and 8-bit ones
+# ~30x faster at this level than with fp32 activations (level 0). It moves answers only at near-ties:
+# `verify-reference` stays at >= 99.6% agreement with llama.cpp at clear positions, but the fp32 model's
+# "Paris." for SmolLM2's "What is the capital of France?" is llama.cpp's "L'Étoile…" here too.
+ACCURACY_LEVEL = 4
 
 
 def linear(tensors, input_name: str, output_name: str):
@@ -52,13 +51,13 @@ def linear(tensors, input_name: str, output_name: str):
             packed=np.concatenate([w.packed for w in ws]), scales=np.concatenate([w.scales for w in ws]),
             zero_points=np.concatenate([w.zero_points for w in ws]))
         return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
-                                       accuracy_level=accuracy_level_for(w))
+                                       accuracy_level=ACCURACY_LEVEL)
     nodes, inits, parts = [], [], []
     for i, t in enumerate(tensors):
         part = f"{output_name}_part{i}"
         try:
             w = to_matmul_nbits(t)
-            n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=accuracy_level_for(w))
+            n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=ACCURACY_LEVEL)
         except QuantError:
             wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(t).T), part + "_Wt")
             n, ini = [helper.make_node("MatMul", [input_name, wt.name], [part])], [wt]
