@@ -15,7 +15,9 @@ def _progress_to_stderr(message: str, fraction: float) -> None:
     print(f"[{fraction * 100:5.1f}%] {message}", file=sys.stderr, flush=True)
 
 
-def _load(args, quiet_progress: bool = False, preload: str = "all"):
+def _load(args, quiet_progress: bool = False, preload: str = "none"):
+    """The model of `args`; sessions are made on first use unless `preload` names a set to make now (a
+    command that runs once pays the same either way, and makes none it does not use)."""
     from .engine.paths import AppPaths
     from .engine.runtime import load_model
 
