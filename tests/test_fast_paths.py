@@ -236,3 +236,40 @@ def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
         token = int(np.argmax(b))
         a, b = tr.forward([token], kv_a, fused), tr.forward([token], kv_b, plain_call)
     assert fused_log == plain_log and len(fused_log) == 4 * cfg.n_layers
+
+
+def _tiny_graph():
+    from onnx import TensorProto, helper
+
+    from larql_desktop.engine.graph_store import make_model
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 4])
+    w = np.arange(16, dtype=np.float32).reshape(4, 4)
+    from onnx import numpy_helper
+    return make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [numpy_helper.from_array(w, "w")], [x], [y],
+                      "tiny")
+
+
+def test_optimised_copy_replaces_the_export_or_falls_back_to_it(tmp_path, monkeypatch):
+    """With room on disk the copy replaces the export; when the copy cannot be written the session runs on
+    the export as it is (logged), and nothing is lost."""
+    from functools import partial
+
+    from larql_desktop.engine.graph_store import GraphStore
+
+    x = np.ones((1, 4), np.float32)
+    expected = x @ np.arange(16, dtype=np.float32).reshape(4, 4)
+    store = GraphStore(tmp_path / "ok", "m.json", 1)
+    session = store.session("tiny.onnx", _tiny_graph, partial(session_options, 1), optimized=True)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected)
+    assert not (tmp_path / "ok" / "tiny.onnx").exists() and len(list((tmp_path / "ok").glob("tiny.optimized-*"))) == 2
+
+    def no_room(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(GraphStore, "_write_optimized", no_room)
+    store = GraphStore(tmp_path / "full", "m.json", 1)
+    session = store.session("tiny.onnx", _tiny_graph, partial(session_options, 1), optimized=True)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected)
+    assert (tmp_path / "full" / "tiny.onnx").is_file() and not list((tmp_path / "full").glob("tiny.optimized-*"))

@@ -217,7 +217,13 @@ class GraphStore:
             session = self._write_optimized(source, copy, data, make_opts)
         except Exception:       # unreadable despite a matching hash: export it again
             source = self.export(name, build, message, fraction)
-            session = self._write_optimized(source, copy, data, make_opts)
+            self.save()
+            try:
+                session = self._write_optimized(source, copy, data, make_opts)
+            except Exception as exc:    # e.g. no room for the copy: run on the export itself
+                log.warning("could not write the optimised copy of %s (%s); loading the graph as exported",
+                            name, exc)
+                return ort.InferenceSession(str(source), make_opts(), providers=PROVIDERS)
         self._drop(name)      # the copy replaces it
         return session
 
@@ -245,6 +251,8 @@ class GraphStore:
             opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                           "1024")
             session = ort.InferenceSession(str(source), opts, providers=PROVIDERS)
+            if not (staging / data).exists():   # no initializer big enough to go outside: keep the pair anyway
+                (staging / data).write_bytes(b"")
             stem = source.name.removesuffix(".onnx")
             for old in self.directory.glob(f"{stem}.optimized-ort*"):   # other onnxruntime versions
                 old.unlink(missing_ok=True)
