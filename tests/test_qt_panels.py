@@ -18,6 +18,7 @@ from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.protocol import InsertProgress  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
+from larql_desktop.engine.patches import encode_vector  # noqa: E402
 from larql_desktop.qt.app import open_persistent_cache  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 
@@ -369,6 +370,24 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
         assert (a["cache"], b["cache"], b["tier"]) == ("miss", "hit", "L2")
     wait_for_stats(qtbot, win, lambda e: True)
     assert win.client.engine.snapshot().tiers["L2"].hits.sum() == l2_hits + 1
+
+    # API clients change the statistics and the patches while the window sits idle: it follows them.
+    idle_calls = win.client.engine.snapshot().calls
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        http.post("/v1/walk-ffn", json={"layer": 5, "residual": x})
+        d = win.client.model.hidden
+        vec = encode_vector(np.ones(d, np.float32))
+        doc = {"version": 1, "base_model": win.client.engine.model.name,
+               "base_checksum": win.client.engine.model.checksum, "description": "from the API",
+               "operations": [{"op": "insert", "layer": 3, "feature": 7, "entity": "e", "relation": "r",
+                               "target": "t", "gate": vec, "up": vec, "down": vec}]}
+        assert http.post("/v1/patches", json=doc).status_code == 201
+    wait_for_stats(qtbot, win, lambda e: e.process.calls > idle_calls and e.patched_layers == (3,))
+    qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 1, timeout=10_000)
+    assert win.patch_editor.patch_list.topLevelItem(0).text(1) == "3"
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        assert http.delete("/v1/patches/0").status_code == 200
+    qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 0, timeout=10_000)
 
     # Toggling off stops it.
     win.serve_box.setChecked(False)

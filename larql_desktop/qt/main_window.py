@@ -6,7 +6,7 @@ import itertools
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Slot
+from PySide6.QtCore import QSettings, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout,
                                QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget, QToolButton,
@@ -22,6 +22,8 @@ from .qt_theme import apply_theme
 from .reply_stats import format_load_progress, format_reply_stats
 from .server_control import DEFAULT_PORT, HOST, ServerController
 from .worker import EngineClient
+
+API_POLL_MS = 1000
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,13 @@ class MainWindow(QMainWindow):
         self.server = ServerController(parent=self)
         self.server.changed.connect(self._on_server_changed)
         self.serve_action.toggled.connect(self._on_serve_toggled)
+        # While the HTTP API serves, its clients change the statistics and the patches without the window
+        # asking: poll once a second so the monitor and the patch list follow (a reply reports as it runs).
+        self._api_poll = QTimer(self)
+        self._api_poll.setInterval(API_POLL_MS)
+        self._api_poll.timeout.connect(self._poll_for_api_changes)
+        self._poll_outstanding = False
+        client.stats.connect(self._on_stats_arrived)
 
         client.model_loaded.connect(self._on_model_loaded)
         client.load_progress.connect(self._on_load_progress)
@@ -432,8 +441,22 @@ class MainWindow(QMainWindow):
         self._on_server_changed()
 
     @Slot()
+    def _poll_for_api_changes(self) -> None:
+        if not self._poll_outstanding and self.client.ready:
+            self._poll_outstanding = True
+            self._on_current_chat_changed()
+
+    @Slot(object)
+    def _on_stats_arrived(self, _event) -> None:
+        self._poll_outstanding = False
+
+    @Slot()
     def _on_server_changed(self) -> None:
         server = self.server
+        if server.url:
+            self._api_poll.start()
+        else:
+            self._api_poll.stop()
         self.server_port.setEnabled(not (server.running or server.starting))
         if server.url:
             self.server_label.setText(f"<a href='{server.url}/docs'>{server.url}</a>")

@@ -81,6 +81,7 @@ class EngineWorker(QObject):
         self._engine_ids = itertools.count(1)
         self._engine_id = 0
         self._active_session: int | None = None
+        self._patches_shown = None   # the patch overlay the window was last told about
         self._handlers: dict[type, Callable[[object], None]] = {
             LoadModel: self._load_model,
             SendPrompt: self._send_prompt,
@@ -163,7 +164,7 @@ class EngineWorker(QObject):
         self._active_session = None
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
         self.model_loaded.emit(model_info(request.request_id, model))
-        self.event.emit(engine_jobs.patches_changed(engine, request.request_id))
+        self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, request.request_id))
         self._emit_stats()
 
     def _engine(self) -> LarqlEngine:
@@ -178,8 +179,17 @@ class EngineWorker(QObject):
             session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
         return session
 
+    def _emit_patches(self, make_event: Callable[[LarqlEngine], object]) -> None:
+        """Emit the PatchesChanged answer make_event(engine) makes, remembering which patches the window saw."""
+        engine = self._engine()
+        event = make_event(engine)
+        self._patches_shown = engine.patches
+        self.event.emit(event)
+
     def _emit_stats(self) -> None:
         if self.engine is not None:
+            if self.engine.patches is not self._patches_shown:    # changed elsewhere: by the HTTP API
+                self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, 0))
             session_id = self._active_session
             self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
                                                     self.sessions.get(session_id)))
@@ -237,7 +247,7 @@ class EngineWorker(QObject):
             self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
 
         finished = engine_jobs.insert_fact(engine, request, progress)
-        self.event.emit(engine_jobs.patches_changed(engine, request.request_id))
+        self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, request.request_id))
         self._emit_stats()
         if request.probe.strip():
             self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
@@ -248,7 +258,7 @@ class EngineWorker(QObject):
         self.event.emit(engine_jobs.probe(self._engine(), request))
 
     def _change_patches(self, job, request) -> None:
-        self.event.emit(job(self._engine(), request))
+        self._emit_patches(lambda engine: job(engine, request))
         self._emit_stats()
 
     def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
