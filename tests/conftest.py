@@ -1,12 +1,16 @@
 """Test set-up: offscreen Qt, a throw-away home for all app files, and the real packaged models."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Before anything imports Qt or resolves paths: tests never touch the real user directories.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 _HOME = tempfile.mkdtemp(prefix="larql-desktop-tests-")
+# It fills with ~1.5 GB of models and exported graphs: gone when the test run ends.
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["LARQL_DESKTOP_HOME"] = _HOME
 for _var in ("DATA", "CACHE", "LOG", "CONFIG"):
     os.environ.pop(f"LARQL_DESKTOP_{_var}_DIR", None)
