@@ -236,7 +236,8 @@ def cmd_serve(args) -> int:
     store = open_l3(args.l3, paths, l3_settings)
     model = _load(args, quiet_progress=True)
     engine = LarqlEngine(model, walk=_walk_settings(args), l3=store)
-    model.ffn.load_walk_sessions()         # the first request per layer would otherwise build its sessions
+    # The first request per layer would otherwise build its sessions.
+    model.ffn.load_sessions(kinds=("gate", "walk"))
     handle = start_server(engine, args.host, args.port, token)
     print(f"serving {model.name} on {handle.url} (L3: {store.status()['where'] if store else 'off'}); "
           "Ctrl-C stops", flush=True)

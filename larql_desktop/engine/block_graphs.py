@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
 from .ffn_graphs import linear
-from .graph_store import Binding, GraphStore, LazySessions, Progress, make_model, session_options
+from .graph_store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from .gguf import GgufFile
 from .quants import dequantize
 
@@ -183,7 +183,7 @@ class OnnxBlocks:
         self._gated = LazySessions(store, gated_files, opts)
         self._heads = LazySessions(store, [("head.onnx", head_build)], opts)
         self._local = threading.local()
-        self._zeros: dict[int, np.ndarray] = {}
+        self.zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
 
     @property
     def has_gate_scores(self) -> bool:
@@ -204,7 +204,7 @@ class OnnxBlocks:
         self.config, self.directory, self.rebuilt = config, None, []
         self._layers, self._gated, self._heads = list(layers), None, [head]
         self._local = threading.local()
-        self._zeros = {}
+        self.zeros = ZeroRows(config.hidden)
         return self
 
     def _state(self):
@@ -212,12 +212,6 @@ class OnnxBlocks:
         if state is None:   # per thread: bindings are not thread-safe, sessions are
             state = self._local.state = _ThreadState(self._layers, self._gated, self._heads)
         return state
-
-    def zeros(self, T: int) -> np.ndarray:
-        z = self._zeros.get(T)
-        if z is None:
-            z = self._zeros[T] = np.zeros((T, self.config.hidden), np.float32)
-        return z
 
     def run_layer(self, layer: int, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray,
                   start: int, cos: np.ndarray, sin: np.ndarray, gate_scores: bool = False):

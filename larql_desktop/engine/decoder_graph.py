@@ -25,7 +25,7 @@ from .block_graphs import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_gra
 from .config import ModelConfig
 from .ffn_graphs import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph
 from .gguf import GgufFile
-from .graph_store import Binding, GraphStore, LazySessions, Progress, make_model, session_options
+from .graph_store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 
 # The decoder is rebuilt whenever the graphs it is made of change.
 DECODER_EXPORT_FORMAT = f"decoder1-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"
@@ -125,6 +125,7 @@ class OnnxDecoder:
         self._sessions = LazySessions(store, [(FILE, build)], partial(session_options, threads, spinning=True),
                                       optimized=True)
         self._local = threading.local()
+        self._zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
 
     def load_sessions(self, progress: Progress | None = None) -> None:
         self._sessions.load_all(progress, "Loading the decoder graph")
@@ -145,7 +146,7 @@ class OnnxDecoder:
             b.bind_input(f"cos{t}", cos)
             b.bind_input(f"sin{t}", sin)
         b.bind_input("h", np.ascontiguousarray(h, dtype=np.float32))
-        b.bind_input("f0", state.zeros(T))
+        b.bind_input("f0", self._zeros(T))
         logits = np.empty((1, self.config.vocab_size), np.float32)
         b.bind_output("logits", logits)
         b.run()
@@ -161,13 +162,6 @@ class _DecoderBinding:
         binding.bind_input("seqlens_k", self.seqlens)
         binding.bind_input("total_len", self.total)
         self._cache_arrays: list = []
-        self._zeros: dict[int, np.ndarray] = {}
-
-    def zeros(self, T: int) -> np.ndarray:
-        z = self._zeros.get(T)
-        if z is None:
-            z = self._zeros[T] = np.zeros((T, self.config.hidden), np.float32)
-        return z
 
     def bind_cache(self, kv) -> None:
         """Bind every layer's keys/values as (1, KV, cap, hd) views, past and present alike; only when the

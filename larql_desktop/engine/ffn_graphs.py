@@ -160,11 +160,6 @@ class OnnxFfn:
         for kind in kinds:
             sessions[kind].load_all(progress, f"Loading the {kind} FFN graphs")
 
-    def load_walk_sessions(self) -> None:
-        """Create every layer's gate/walk sessions now rather than on first use."""
-        self._gate.load_all()
-        self._walk.load_all()
-
     # -- running ------------------------------------------------------------------------------------------
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self._gate[layer].run(None, {"x": x})[0]            # (T, F)

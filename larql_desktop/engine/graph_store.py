@@ -159,13 +159,17 @@ class GraphStore:
         data = build().SerializeToString()
         path = self.directory / name
         write_atomic(path, data)
-        stat = path.stat()
+        self._record(name, hashlib.sha256(data).hexdigest())
         with self._lock:
-            self._manifest[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": stat.st_size,
-                                    "mtime_ns": stat.st_mtime_ns}
             self.rebuilt.append(name)
-            self._dirty = True
         return path
+
+    def _record(self, name: str, sha256: str) -> None:
+        """The manifest entry of a file just written: its hash, and the size and time that vouch for it."""
+        stat = (self.directory / name).stat()
+        with self._lock:
+            self._manifest[name] = {"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            self._dirty = True
 
     def ensure(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
                fraction: float = 0.0, optimized: bool = False) -> Path:
@@ -258,12 +262,8 @@ class GraphStore:
                 old.unlink(missing_ok=True)
             os.replace(staging / data, self.directory / data)
             os.replace(staging / copy, self.directory / copy)
-            with self._lock:
-                for file in (data, copy):
-                    stat = (self.directory / file).stat()
-                    self._manifest[file] = {"sha256": _sha256_file(self.directory / file), "size": stat.st_size,
-                                            "mtime_ns": stat.st_mtime_ns}
-                self._dirty = True
+            for file in (data, copy):
+                self._record(file, _sha256_file(self.directory / file))
             return session
         finally:
             for leftover in staging.glob("*"):
@@ -277,6 +277,21 @@ class GraphStore:
             write_atomic(self.manifest_path, json.dumps(
                 {"format": self.export_format, "files": self._manifest}, indent=1).encode())
             self._dirty = False
+
+
+class ZeroRows:
+    """(T, d) float32 zeros, one array per T, made once: layer 0's "previous FFN output", bound by the
+    graphs at every step (never written)."""
+
+    def __init__(self, d: int):
+        self._d = d
+        self._by_rows: dict[int, np.ndarray] = {}
+
+    def __call__(self, T: int) -> np.ndarray:
+        z = self._by_rows.get(T)
+        if z is None:
+            z = self._by_rows[T] = np.zeros((T, self._d), np.float32)
+        return z
 
 
 class LazySessions:
