@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from larql_desktop.cli import main
 
 sys.exit(main())

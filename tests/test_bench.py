@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from larql_desktop.engine.bench import LARQL_MODES, LLAMA_MODE, format_report, targets
+from larql_desktop.tools.bench import LARQL_MODES, LLAMA_MODE, format_report, targets
 
 PER_MODE = ("prompt_tokens", "prefill_tok_s", "decode_tok_s", "ttft_submit_s", "ttft_process_s", "load_seconds",
             "peak_rss_mb", "rss_after_load_mb")

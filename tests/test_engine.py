@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from larql_desktop.engine.ffn_graphs import OnnxFfn
-from larql_desktop.engine.generation import SamplingSettings
-from larql_desktop.engine.model import KvCache, NumpyDenseFfn
-from larql_desktop.engine.reference import check_model
-from larql_desktop.engine.runtime import load_model
-from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.graphs.ffn import OnnxFfn
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn
+from larql_desktop.tools.verify_reference import check_model
+from larql_desktop.engine.loading import load_model
+from larql_desktop.engine.model.chat import ChatSession
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 
@@ -148,7 +148,7 @@ def test_unknown_model_name(app_paths):
 
 
 def test_engine_never_imports_qt():
-    code = ("import sys, larql_desktop.engine.runtime, larql_desktop.engine.session, larql_desktop.engine.reference,"
+    code = ("import sys, larql_desktop.engine.loading, larql_desktop.engine.model.chat, larql_desktop.tools.verify_reference,"
             " larql_desktop.cli; bad = [m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph'))];"
             " print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

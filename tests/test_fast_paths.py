@@ -7,9 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from larql_desktop.engine.block_graphs import OnnxBlocks, build_head_graph, build_layer_graph
-from larql_desktop.engine.graph_store import session_options
-from larql_desktop.engine.model import KvCache, NumpyDenseFfn, TransformerModel
+from larql_desktop.engine.graphs.blocks import OnnxBlocks, build_head_graph, build_layer_graph
+from larql_desktop.engine.graphs.store import session_options
+from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
 
 
 def _cos(a, b):
@@ -121,8 +121,8 @@ def test_decoder_graph_equals_per_layer_graphs(request, fixture):
 def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     """Dense settings claim the pass and count a dense outcome per layer (untimed); the walk, and dense settings
     under an INSERT override, run layer by layer."""
-    from larql_desktop.engine.ffn_cache import CacheStats, WalkFfn, WalkSettings
-    from larql_desktop.engine.patches import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
+    from larql_desktop.engine.cache.walk import CacheStats, WalkFfn, WalkSettings
+    from larql_desktop.engine.patches.overlay import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
 
     cfg = smollm2.config
     stats = CacheStats(cfg.n_layers)
@@ -145,7 +145,7 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
 
 
 def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smollm2, app_paths):
-    from larql_desktop.engine import graph_store
+    from larql_desktop.engine.graphs import store as graph_store
 
     directory = app_paths.onnx_dir / smollm2.checksum
     hashed = []
@@ -177,7 +177,7 @@ def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smoll
 def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, app_paths):
     """The decoder loads from onnxruntime's optimised copy (made by the first load): same logits as the
     source; a damaged copy is noticed (size/time changed, hash differs) and made again."""
-    from larql_desktop.engine.decoder_graph import OnnxDecoder
+    from larql_desktop.engine.graphs.decoder import OnnxDecoder
 
     cfg = smollm2.config
     ids = np.array(smollm2.tokenizer.encode("Seven eight nine"))
@@ -203,7 +203,7 @@ def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
     """The walk's layer graphs also give the FFN's gate scores: the same h, x and scores as the plain layer
     graph followed by the gate graph, and a walk generation through them (one call fewer per layer) produces
     the same logits and the same cache keys as one that computes the scores itself."""
-    from larql_desktop.engine.ffn_cache import CacheStats, CacheTier, WalkFfn, WalkSettings
+    from larql_desktop.engine.cache.walk import CacheStats, CacheTier, WalkFfn, WalkSettings
 
     cfg, tr = smollm2.config, smollm2.transformer
     graphs = tr.graphs
@@ -241,7 +241,7 @@ def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
 def _tiny_graph():
     from onnx import TensorProto, helper
 
-    from larql_desktop.engine.graph_store import make_model
+    from larql_desktop.engine.graphs.store import make_model
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 4])
@@ -256,7 +256,7 @@ def test_optimised_copy_replaces_the_export_or_falls_back_to_it(tmp_path, monkey
     the export as it is (logged), and nothing is lost."""
     from functools import partial
 
-    from larql_desktop.engine.graph_store import GraphStore
+    from larql_desktop.engine.graphs.store import GraphStore
 
     x = np.ones((1, 4), np.float32)
     expected = x @ np.arange(16, dtype=np.float32).reshape(4, 4)

@@ -6,12 +6,12 @@ import threading
 import numpy as np
 import pytest
 
-from larql_desktop.engine.engine import LarqlEngine
-from larql_desktop.engine.ffn_cache import (CacheEntry, CacheStats, CacheTier, TierSettings, WalkFfn,
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.cache.walk import (CacheEntry, CacheStats, CacheTier, TierSettings, WalkFfn,
                                             WalkSettings, default_top_k, feature_key, is_full_k, key_features,
                                             select_features)
-from larql_desktop.engine.generation import SamplingSettings
-from larql_desktop.engine.model import KvCache
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.model.transformer import KvCache
 
 
 def entry(value: float, d: int = 8) -> CacheEntry:
@@ -220,7 +220,7 @@ def test_sparse_walk_uses_exactly_k_features(smollm2):
     mask, picks = ffn.mask_for(scores)
     assert mask.sum() == k and len(picks[0]) == k
     # Numpy check of the walk: only the selected features contribute.
-    from larql_desktop.engine.model import NumpyDenseFfn, silu
+    from larql_desktop.engine.model.transformer import NumpyDenseFfn, silu
     g, u, d = NumpyDenseFfn(smollm2.transformer).weights[0]
     sel = picks[0]
     expected = (silu(scores[0, sel]) * (u[sel] @ x[0])) @ d[:, sel].T

@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from larql_desktop.engine.config import ModelConfig
-from larql_desktop.engine.gguf import GgufError, GgufFile
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.formats.gguf import GgufError, GgufFile
 from model_files import gguf_path
 
 gguf_pkg = pytest.importorskip("gguf")

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import SCENARIOS_DIR
-from larql_desktop.engine.engine import LarqlEngine
-from larql_desktop.engine.ffn_cache import TierSettings, WalkSettings
-from larql_desktop.engine.insert import Fact
-from larql_desktop.engine.patches import Patch, PatchError, PatchOperation, encode_vector
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.cache.walk import TierSettings, WalkSettings
+from larql_desktop.engine.patches.insert import Fact
+from larql_desktop.engine.patches.overlay import Patch, PatchError, PatchOperation, encode_vector
 from test_ffn_cache import run_sequence
 
 FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]

@@ -287,7 +287,7 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
     assert run_app(argparse.Namespace(model=DEFAULT_MODEL, threads=2, verbose=False)) == 0
     assert seen["model"] == DEFAULT_MODEL and not seen["client"].is_running()
     # The persistent L3 is on by default, in the user cache dir (under LARQL_DESKTOP_HOME), and closed on exit.
-    from larql_desktop.engine.l3 import SqliteL3, default_l3_path
+    from larql_desktop.engine.cache.l3 import SqliteL3, default_l3_path
 
     store = seen["l3"]
     assert isinstance(store, SqliteL3) and store.settings.enabled and seen["banner"] == ""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from larql_desktop.engine.generation import SamplingSettings, TokenStep
+from larql_desktop.engine.model.generation import SamplingSettings, TokenStep
 from larql_desktop.qt.protocol import SendPrompt, TokenEvent
 from larql_desktop.qt.reply_stats import (COMPLETE, LENGTH, STOPPED, CacheCounts, ReplyStats, ReplyStatsBuilder,
                                           format_cache_counts, format_load_progress, format_reply_stats)
@@ -110,7 +110,7 @@ def test_cache_counts_wording():
 def _snapshot(n, l1=(0, 0), l2=(0, 0), calls=0, recent=(), patched=0):
     import numpy as np
 
-    from larql_desktop.engine.ffn_cache import (BYPASS_REASONS, OUTCOMES, TIERS, FidelitySummary, LatencySummary,
+    from larql_desktop.engine.cache.walk import (BYPASS_REASONS, OUTCOMES, TIERS, FidelitySummary, LatencySummary,
                                                 StatsSnapshot, TierSnapshot)
 
     def tier(name, hm):
@@ -177,7 +177,7 @@ def test_stats_exports_are_valid_json_and_one_csv_row_per_layer():
 def test_exact_full_misses_per_layer_feed_the_monitor_bars():
     import dataclasses
 
-    from larql_desktop.engine.ffn_cache import CacheStats
+    from larql_desktop.engine.cache.walk import CacheStats
     from larql_desktop.qt.cache_monitor_model import MonitorModel
 
     stats = CacheStats(3)

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from larql_desktop.engine.gguf import QUANT_TYPES, GgufFile, GgufTensor
-from larql_desktop.engine import quants as Q
-from larql_desktop.engine.graph_store import session_options
+from larql_desktop.engine.formats.gguf import QUANT_TYPES, GgufFile, GgufTensor
+from larql_desktop.engine.formats import quants as Q
+from larql_desktop.engine.graphs.store import session_options
 from model_files import gguf_path
 
 gquants = pytest.importorskip("gguf.quants")

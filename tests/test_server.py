@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
-from larql_desktop.engine.engine import LarqlEngine
-from larql_desktop.engine.l3 import SqliteL3
-from larql_desktop.engine.patches import encode_vector
-from larql_desktop.loadtest import run_load
-from larql_desktop.server import start_server
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.cache.l3 import SqliteL3
+from larql_desktop.engine.patches.overlay import encode_vector
+from larql_desktop.tools.loadtest import run_load
+from larql_desktop.api.server import start_server
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from larql_desktop.engine.chat_template import ChatTemplateError, render_chat
-from larql_desktop.engine.gguf import GgufFile
-from larql_desktop.engine.tokenizer import StreamDecoder, Tokenizer
+from larql_desktop.engine.formats.chat_template import ChatTemplateError, render_chat
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.formats.tokenizer import StreamDecoder, Tokenizer
 from model_files import MODEL_KEYS, gguf_path
 
 MODEL_NAMES = list(MODEL_KEYS)
@@ -213,7 +213,7 @@ def _split_gpt2(seg: str) -> list[str]:
 
 def _reference_smollm_encode(tk: Tokenizer, ranks: dict, text: str) -> list[int]:
     """SmolLM2 encode as llama.cpp does it: \\p{N} split, gpt2 split, byte map, rank-ordered merges."""
-    from larql_desktop.engine.tokenizer import _bytes_to_unicode
+    from larql_desktop.engine.formats.tokenizer import _bytes_to_unicode
     b2u = _bytes_to_unicode()
     segs, cur = [], ""
     for c in text:  # regex 1: \p{N} — each number character on its own

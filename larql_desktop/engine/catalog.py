@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .gguf import GgufError
-from .paths import AppPaths
+from larql_desktop.engine.formats.gguf import GgufError
+from larql_desktop.engine.paths import AppPaths
 
 Progress = Callable[[str, float], None]   # (message, fraction 0..1)
 

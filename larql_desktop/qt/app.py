@@ -8,10 +8,10 @@ import sys
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
-from ..engine.l3 import L3Store, open_l3
-from ..engine.paths import AppPaths
-from .main_window import MainWindow
-from .worker import EngineClient
+from larql_desktop.engine.cache.l3 import L3Store, open_l3
+from larql_desktop.engine.paths import AppPaths
+from larql_desktop.qt.main_window import MainWindow
+from larql_desktop.qt.worker import EngineClient
 
 log = logging.getLogger(__name__)
 

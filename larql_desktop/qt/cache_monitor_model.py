@@ -11,9 +11,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..engine.ffn_cache import BYPASS_REASONS, OUTCOMES, TIERS, StatsSnapshot
-from .protocol import CacheStatsEvent
-from .reply_stats import CacheCounts
+from larql_desktop.engine.cache.walk import BYPASS_REASONS, OUTCOMES, TIERS, StatsSnapshot
+from larql_desktop.qt.protocol import CacheStatsEvent
+from larql_desktop.qt.reply_stats import CacheCounts
 
 
 def _total(a: np.ndarray) -> int:

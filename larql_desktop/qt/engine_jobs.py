@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..engine.engine import LarqlEngine
-from ..engine.insert import Fact, Progress
-from ..engine.l3 import L3Settings
-from ..engine.patches import PatchOverlay
-from ..engine.session import ChatSession
-from .protocol import (CacheSettings, CacheStatsEvent, InsertFact, InsertFinished, LoadPatchFile, PatchesChanged,
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.patches.insert import Fact, Progress
+from larql_desktop.engine.cache.l3 import L3Settings
+from larql_desktop.engine.patches.overlay import PatchOverlay
+from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.qt.protocol import (CacheSettings, CacheStatsEvent, InsertFact, InsertFinished, LoadPatchFile, PatchesChanged,
                        PatchInfo, PatchSaved, ProbePrompt, ProbeResult, RemovePatch, SavePatch)
 
 PROBE_TOKENS = 8

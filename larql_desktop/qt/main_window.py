@@ -12,16 +12,16 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, 
                                QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget, QToolButton,
                                QVBoxLayout, QWidget)
 
-from ..engine.catalog import PACKAGED_MODELS
-from .protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats, TokenEvent
-from .qt_cache_monitor import CacheMonitor
-from .qt_chat_tab import ChatTab
-from .qt_patch_editor import PatchEditor
-from .qt_sampling_panel import SamplingPanel
-from .qt_theme import apply_theme
-from .reply_stats import format_load_progress, format_reply_stats
-from .server_control import DEFAULT_PORT, HOST, ServerController
-from .worker import EngineClient
+from larql_desktop.engine.catalog import PACKAGED_MODELS
+from larql_desktop.qt.protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats, TokenEvent
+from larql_desktop.qt.qt_cache_monitor import CacheMonitor
+from larql_desktop.qt.qt_chat_tab import ChatTab
+from larql_desktop.qt.qt_patch_editor import PatchEditor
+from larql_desktop.qt.qt_sampling_panel import SamplingPanel
+from larql_desktop.qt.qt_theme import apply_theme
+from larql_desktop.qt.reply_stats import format_load_progress, format_reply_stats
+from larql_desktop.qt.server_control import DEFAULT_PORT, HOST, ServerController
+from larql_desktop.qt.worker import EngineClient
 
 API_POLL_MS = 1000
 

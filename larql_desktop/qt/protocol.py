@@ -10,10 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.ffn_cache import StatsSnapshot, TierSettings, WalkSettings
-from ..engine.generation import SamplingSettings, TokenStep
-from ..engine.l3 import L3Settings
-from .reply_stats import ReplyStats
+from larql_desktop.engine.cache.walk import StatsSnapshot, TierSettings, WalkSettings
+from larql_desktop.engine.model.generation import SamplingSettings, TokenStep
+from larql_desktop.engine.cache.l3 import L3Settings
+from larql_desktop.qt.reply_stats import ReplyStats
 
 
 # --- requests (GUI -> worker) ---

@@ -14,11 +14,11 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from ..engine.ffn_cache import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings
-from ..engine.l3 import L3Settings
-from .cache_monitor_model import MonitorModel, stats_csv, stats_json
-from .protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
-from .worker import EngineClient
+from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings
+from larql_desktop.engine.cache.l3 import L3Settings
+from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
+from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
+from larql_desktop.qt.worker import EngineClient
 
 REFRESH_HZ = 20
 # L1 (per chat), L2 (per process) and the persistent L3 (when the app has a store: on by default).

@@ -6,7 +6,7 @@ from PySide6.QtGui import QAction, QFont, QTextBlockFormat, QTextCharFormat, QTe
 from PySide6.QtWidgets import (QHBoxLayout, QPlainTextEdit, QSplitter, QTextBrowser, QToolButton, QVBoxLayout,
                                QWidget)
 
-from .transcript import ASSISTANT, NOTICE, USER, Transcript
+from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
 

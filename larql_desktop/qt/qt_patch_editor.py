@@ -8,9 +8,9 @@ from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, Q
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
                                QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 
-from .protocol import (ErrorReport, InsertFact, InsertFinished, InsertProgress, LoadPatchFile, ModelInfo,
+from larql_desktop.qt.protocol import (ErrorReport, InsertFact, InsertFinished, InsertProgress, LoadPatchFile, ModelInfo,
                        PatchesChanged, PatchSaved, ProbePrompt, ProbeResult, RemovePatch, SavePatch)
-from .worker import EngineClient
+from larql_desktop.qt.worker import EngineClient
 
 _AUTO_LAYER = -1
 _FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, LoadPatchFile: PatchesChanged,

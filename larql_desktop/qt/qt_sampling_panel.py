@@ -4,7 +4,7 @@ from __future__ import annotations
 from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import QDoubleSpinBox, QFormLayout, QSpinBox, QWidget
 
-from ..engine.generation import SamplingSettings
+from larql_desktop.engine.model.generation import SamplingSettings
 
 _RANDOM_SEED = -1   # the seed box's special value
 

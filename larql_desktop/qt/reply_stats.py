@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..engine.generation import TokenStep
+from larql_desktop.engine.model.generation import TokenStep
 
 # Why a reply ended.
 COMPLETE = "complete"   # the model produced a stop token

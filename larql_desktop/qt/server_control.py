@@ -23,7 +23,7 @@ DEFAULT_PORT = 8765
 
 
 def _start(engine, host: str, port: int):
-    from ..server import start_server   # FastAPI/uvicorn are imported only when the user turns serving on
+    from larql_desktop.api.server import start_server   # FastAPI/uvicorn are imported only when the user turns serving on
 
     return start_server(engine, host, port)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .reply_stats import ReplyStats, format_reply_stats
+from larql_desktop.qt.reply_stats import ReplyStats, format_reply_stats
 
 USER = "user"
 ASSISTANT = "assistant"

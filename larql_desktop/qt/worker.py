@@ -24,19 +24,19 @@ from typing import Callable, Iterator
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from ..engine.catalog import PACKAGED_MODELS
-from ..engine.engine import LarqlEngine
-from ..engine.generation import TokenStep
-from ..engine.l3 import L3Store
-from ..engine.paths import AppPaths
-from ..engine.runtime import LoadedModel, load_model
-from ..engine.session import ChatSession
-from . import engine_jobs
-from .cache_monitor_model import cache_counts
-from .protocol import (CacheSettings, ClearCaches, CloseSession, ConfigureCache, ErrorReport, InsertFact,
+from larql_desktop.engine.catalog import PACKAGED_MODELS
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.generation import TokenStep
+from larql_desktop.engine.cache.l3 import L3Store
+from larql_desktop.engine.paths import AppPaths
+from larql_desktop.engine.loading import LoadedModel, load_model
+from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.qt import engine_jobs
+from larql_desktop.qt.cache_monitor_model import cache_counts
+from larql_desktop.qt.protocol import (CacheSettings, ClearCaches, CloseSession, ConfigureCache, ErrorReport, InsertFact,
                        InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt, Regenerate, RemovePatch,
                        ReplyFinished, ReplyStarted, RequestStats, ResetStats, SavePatch, SendPrompt, TokenEvent)
-from .reply_stats import FAILED, STOPPED, ReplyStatsBuilder
+from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`larql-desktop bench`: end-to-end speed and memory of each FFN configuration, and llama.cpp beside them.
 
-Every configuration runs in a process of its own (python -m larql_desktop.engine.bench), so its peak RSS
+Every configuration runs in a process of its own (python -m larql_desktop.tools.bench), so its peak RSS
 (`getrusage(RUSAGE_SELF).ru_maxrss`) is its own and its time to first token can be taken from process start:
 
   dense   the dense FFN (plain inference): every pass is one call of the whole-model decoder graph
@@ -119,8 +119,8 @@ def summarise(runs: list[RunTiming]) -> dict:
 
 # ------------------------------------------------------------------------------------------ workers
 def _engine_for(model, mode: str):
-    from .engine import LarqlEngine
-    from .ffn_cache import TierSettings, WalkSettings
+    from larql_desktop.engine.core import LarqlEngine
+    from larql_desktop.engine.cache.walk import TierSettings, WalkSettings
 
     off = TierSettings(enabled=False)
     kwargs = {}
@@ -144,9 +144,9 @@ def _cache_figures(engine, session) -> dict:
 
 def run_larql_worker(spec: dict) -> dict:
     """One configuration in this process; `spec['spawned_at']` is the parent's time.time() at spawn."""
-    from .engine import LarqlEngine  # noqa: F401  (imports are part of the time to first token)
-    from .paths import AppPaths
-    from .runtime import load_model
+    from larql_desktop.engine.core import LarqlEngine  # noqa: F401  (imports are part of the time to first token)
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.engine.loading import load_model
 
     mode, tokens, runs, prompt = spec["mode"], spec["tokens"], spec["runs"], spec["prompt"]
     # What `chat` and the app load for the mode: the whole-model graph for dense, the per-layer graphs else.
@@ -197,9 +197,9 @@ def run_larql_worker(spec: dict) -> dict:
 
 def run_prepare_worker(spec: dict) -> dict:
     """Load once (exporting ONNX files if needed) and report the model and the prompt's token ids."""
-    from .ffn_cache import WalkSettings
-    from .paths import AppPaths
-    from .runtime import load_model
+    from larql_desktop.engine.cache.walk import WalkSettings
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.engine.loading import load_model
 
     model = load_model(spec["model"], AppPaths.from_environment().ensure(), threads=spec["threads"])
     cfg = model.config
@@ -281,10 +281,10 @@ WORKERS = {"prepare": run_prepare_worker, "larql": run_larql_worker, "llama": ru
 
 
 def worker_main(argv: list[str]) -> int:
-    """python -m larql_desktop.engine.bench SPEC.json OUT.json (internal: run by `bench`)."""
+    """python -m larql_desktop.tools.bench SPEC.json OUT.json (internal: run by `bench`)."""
     spec = json.loads(Path(argv[0]).read_text())
     if spec["worker"] != "llama":
-        from .graph_store import share_thread_pool
+        from larql_desktop.engine.graphs.store import share_thread_pool
 
         share_thread_pool(spec["threads"])   # as the CLI and the app run
     result = WORKERS[spec["worker"]](spec)
@@ -298,7 +298,7 @@ def _spawn(spec: dict, workdir: Path, timeout: float) -> dict:
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec = dict(spec, spawned_at=time.time())
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "larql_desktop.engine.bench", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", "larql_desktop.tools.bench", str(spec_path), str(out_path)],
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0 or not out_path.is_file():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

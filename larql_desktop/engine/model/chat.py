@@ -6,10 +6,10 @@ from typing import Iterator
 
 import numpy as np
 
-from .ffn_cache import CacheStats, CacheTier
-from .generation import SamplingSettings, TokenStep, decode
-from .model import FfnCall, KvCache
-from .runtime import LoadedModel
+from larql_desktop.engine.cache.walk import CacheStats, CacheTier
+from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
+from larql_desktop.engine.model.transformer import FfnCall, KvCache
+from larql_desktop.engine.loading import LoadedModel
 
 
 class ChatSession:

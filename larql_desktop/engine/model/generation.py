@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .model import FfnCall, KvCache, TransformerModel
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel
 
 
 @dataclass(frozen=True)

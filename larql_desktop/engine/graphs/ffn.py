@@ -19,10 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .config import ModelConfig
-from .gguf import GgufFile
-from .graph_store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
-from .quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
+from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
 EXPORT_FORMAT = 3   # bump when the graphs change, so old exports are rebuilt
 

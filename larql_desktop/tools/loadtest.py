@@ -4,7 +4,7 @@ Each client posts single-position /v1/walk-ffn requests drawn from a pool of res
 hits, a large one misses) and, if asked, some multi-position ones (prefill: bypass). The result counts every
 request by the outcome the server reported, so the server's own statistics can be checked against it.
 
-    python -m larql_desktop.loadtest URL --clients 8 --seconds 10 [--token T]
+    python -m larql_desktop.tools.loadtest URL --clients 8 --seconds 10 [--token T]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .server import is_loopback
+from larql_desktop.api.server import is_loopback
 
 
 @dataclass
@@ -110,7 +110,7 @@ def run_load(url: str, hidden: int, n_layers: int, *, clients: int = 4, seconds:
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
-    p = argparse.ArgumentParser(prog="python -m larql_desktop.loadtest", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m larql_desktop.tools.loadtest", description=__doc__.split("\n")[0])
     p.add_argument("url")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)

@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from .ffn_cache import WalkFfn, WalkSettings
-from .model import KvCache
-from .patches import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
-from .runtime import LoadedModel
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.loading import LoadedModel
 
 DECOY_WORDS = ("France", "Germany", "Japan", "Brazil", "Egypt", "Canada", "India", "Italy", "Spain", "China",
                "Mexico", "Kenya", "Norway", "Peru", "Chile", "Greece", "Turkey", "Poland", "Sweden", "Australia")
@@ -146,7 +146,7 @@ class Inserter:
 
     def reference_norms(self, layer: int) -> tuple[float, float, float]:
         t = self.model.gguf.tensors
-        from .quants import dequantize_rows
+        from larql_desktop.engine.formats.quants import dequantize_rows
         rows = np.arange(100)
         gate = dequantize_rows(t[f"blk.{layer}.ffn_gate.weight"], rows)
         up = dequantize_rows(t[f"blk.{layer}.ffn_up.weight"], rows)

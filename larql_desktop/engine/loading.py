@@ -8,16 +8,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import ModelSpec, Progress, resolve_model
-from .chat_template import render_chat
-from .config import ModelConfig
-from .block_graphs import OnnxBlocks
-from .decoder_graph import OnnxDecoder
-from .ffn_graphs import OnnxFfn
-from .gguf import GgufFile
-from .model import TransformerModel
-from .paths import AppPaths
-from .tokenizer import Tokenizer
+from larql_desktop.engine.catalog import ModelSpec, Progress, resolve_model
+from larql_desktop.engine.formats.chat_template import render_chat
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.graphs.blocks import OnnxBlocks
+from larql_desktop.engine.graphs.decoder import OnnxDecoder
+from larql_desktop.engine.graphs.ffn import OnnxFfn
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.model.transformer import TransformerModel
+from larql_desktop.engine.paths import AppPaths
+from larql_desktop.engine.formats.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

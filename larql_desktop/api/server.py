@@ -35,10 +35,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine.engine import LarqlEngine
-from .engine.ffn_cache import is_full_k
-from .engine.insert import Fact
-from .engine.patches import PatchError
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.cache.walk import is_full_k
+from larql_desktop.engine.patches.insert import Fact
+from larql_desktop.engine.patches.overlay import PatchError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765

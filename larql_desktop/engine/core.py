@@ -4,12 +4,12 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from .ffn_cache import CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
-from .insert import Fact, Inserter, InsertResult, Progress
-from .l3 import L3Settings, L3Store
-from .patches import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
-from .runtime import LoadedModel
-from .session import ChatSession
+from larql_desktop.engine.cache.walk import CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
+from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
+from larql_desktop.engine.cache.l3 import L3Settings, L3Store
+from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
+from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.chat import ChatSession
 
 
 class LarqlEngine:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .engine import LarqlEngine
-from .generation import SamplingSettings
-from .paths import AppPaths
-from .runtime import load_model
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.paths import AppPaths
+from larql_desktop.engine.loading import load_model
 
 
 class SelfTestFailure(ValueError):

@@ -24,8 +24,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .model import ACTIVATIONS
-from .patches import CLEAN_EPOCH, PatchOverlay
+from larql_desktop.engine.model.transformer import ACTIVATIONS
+from larql_desktop.engine.patches.overlay import CLEAN_EPOCH, PatchOverlay
 
 SEED_K_RATIO = 8092 / 10240          # the seed's default K on Gemma 3 4B
 FULL_K_NUM, FULL_K_DEN = 4, 5        # K >= 4/5 of the intermediate size -> dense FFN (no KNN, no cache)

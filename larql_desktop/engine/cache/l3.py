@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ffn_cache import CacheEntry
+from larql_desktop.engine.cache.walk import CacheEntry
 
 log = logging.getLogger(__name__)
 

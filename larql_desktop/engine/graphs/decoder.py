@@ -21,11 +21,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .block_graphs import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_graph
-from .config import ModelConfig
-from .ffn_graphs import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph
-from .gguf import GgufFile
-from .graph_store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
+from larql_desktop.engine.graphs.blocks import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_graph
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.graphs.ffn import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 
 # The decoder is rebuilt whenever the graphs it is made of change.
 DECODER_EXPORT_FORMAT = f"decoder1-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"

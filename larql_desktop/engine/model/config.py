@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .gguf import GgufError, GgufFile
+from larql_desktop.engine.formats.gguf import GgufError, GgufFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 

@@ -8,12 +8,12 @@ from typing import Callable
 
 import numpy as np
 
-from .engine import LarqlEngine
-from .ffn_cache import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
-from .generation import SamplingSettings
-from .jsonfile import read_json
-from .model import KvCache
-from .runtime import LoadedModel
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.cache.walk import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.loading import LoadedModel
 
 Log = Callable[[str], None]
 

@@ -17,8 +17,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .jsonfile import read_json
-from .quants import dequantize, dequantize_rows
+from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 
 PATCH_VERSION = 1
 OPERATIONS = ("insert", "update", "delete")

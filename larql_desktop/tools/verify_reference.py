@@ -7,10 +7,10 @@ from typing import Callable
 
 import numpy as np
 
-from .catalog import PACKAGED_MODELS
-from .jsonfile import read_json
-from .model import KvCache
-from .runtime import LoadedModel
+from larql_desktop.engine.catalog import PACKAGED_MODELS
+from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.loading import LoadedModel
 
 CLEAR_GAP = 0.5   # llama.cpp's top-1/top-2 logit gap above which its argmax is not a near-tie
 

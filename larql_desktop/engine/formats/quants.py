@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf import GgufTensor, QuantType
+from larql_desktop.engine.formats.gguf import GgufTensor, QuantType
 
 __all__ = [
     "QuantError", "NBitsWeight", "dequantize", "dequantize_rows", "dequantize_blocks",

@@ -29,11 +29,11 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from .config import ModelConfig
-from .ffn_graphs import linear
-from .graph_store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
-from .gguf import GgufFile
-from .quants import dequantize
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.graphs.ffn import linear
+from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.formats.quants import dequantize
 
 BLOCK_EXPORT_FORMAT = 3   # bump when these graphs change, so old exports are rebuilt
 

@@ -12,9 +12,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .config import ModelConfig
-from .gguf import GgufError, GgufFile
-from .quants import dequantize, dequantize_rows
+from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.formats.gguf import GgufError, GgufFile
+from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 
 
 class FfnCall(Protocol):
