@@ -124,6 +124,24 @@ def cmd_hitrates(args) -> int:
     return 0
 
 
+def cmd_collapse(args) -> int:
+    import json
+
+    from larql_desktop.engine.cache.collapse import collapse, format_report
+
+    if len(args.prompts) < 2:
+        raise ValueError("collapse compares at least two prompts")
+    model = _load(args, quiet_progress=True)
+    report = collapse(model, args.prompts, top_k=args.top_k, key_width=args.key_k)
+    for line in format_report(report):
+        print(line)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import json
 
@@ -321,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)
+    coll = sub.add_parser("collapse", help="do paraphrases collapse? per layer: cosine of the normed FFN inputs, "
+                          "top-K overlap and key equality of two or more prompts")
+    common(coll)
+    coll.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    coll.add_argument("--key-k", type=int, default=None, help="key on the top k' of the K ids (default K)")
+    coll.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    coll.add_argument("prompts", nargs="+", metavar="PROMPT")
+    coll.set_defaults(func=cmd_collapse)
     bench_all = sub.add_parser("bench", help="prefill/decode speed, time to first token and peak RSS of each FFN "
                                "configuration, and llama.cpp's on the same GGUF when llama_cpp is installed")
     common(bench_all)
