@@ -189,6 +189,10 @@ class CacheMonitor(QWidget):
         self.entry_bars = self._bar_stack(self.entries_plot, TIER_COLOURS)
         self.memory_plot = self._plot(1, 2, "Bytes per layer", "KiB", "layer", TIER_COLOURS)
         self.memory_bars = self._bar_stack(self.memory_plot, TIER_COLOURS)
+        # The first column's key lines are the longest (six series under "Calls per layer"): a wider column
+        # keeps them whole at the default window size.
+        for col, stretch in enumerate((4, 3, 3)):
+            self.charts.ci.layout.setColumnStretchFactor(col, stretch)
         self._build_near_miss_charts()
         self.chart_tabs = QTabWidget()
         self.chart_tabs.setAccessibleName("Cache chart views")
