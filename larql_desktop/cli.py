@@ -55,6 +55,17 @@ def cmd_chat(args) -> int:
     print(f"prefill: {first.prompt_tokens} tokens in {first.seconds:.3f} s; decode: {decode_tokens} tokens at "
           f"{rate:.1f} tok/s; cache: {snap.hits} hits in {snap.lookups} decode lookups, "
           f"{snap.bypass_total} bypasses", file=sys.stderr)
+    if args.explain_misses:
+        from larql_desktop.engine.cache.near_miss import describe
+        from larql_desktop.engine.cache.walk import default_top_k
+
+        k = engine.walk_settings.top_k or default_top_k(model.config.intermediate)
+        print(f"near misses: {describe(snap.near_miss, k / model.config.intermediate)}", file=sys.stderr)
+        if args.json:
+            import json
+
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(snap.to_dict(), f, indent=1)
     return 0
 
 
@@ -86,7 +97,8 @@ def _walk_settings(args):
     from larql_desktop.engine.cache.walk import WalkSettings
 
     return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
-                        key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None))
+                        key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None),
+                        near_miss_fraction=getattr(args, "explain_misses", 0.0))
 
 
 def cmd_bench_ffn_cache(args) -> int:
@@ -139,6 +151,47 @@ def cmd_collapse(args) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report.to_dict(), f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _size_list(text: str, what: str, parse) -> list:
+    """'K,64,8' or 'off,0.999': comma-separated values, where K / off stand for None."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.lower() in ("k", "off", "none"):
+            values.append(None)
+            continue
+        try:
+            values.append(parse(part))
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number") from None
+    if not values:
+        raise ValueError(f"{what}: give at least one value")
+    return values
+
+
+def cmd_frontier(args) -> int:
+    import json
+
+    from larql_desktop.tools.measure import format_frontier, run_frontier
+
+    widths = _size_list(args.widths, "--widths", int)
+    taus = _size_list(args.taus, "--taus", float)
+    model = _load(args, quiet_progress=True)
+    points, bounds = run_frontier(model, args.prompts, widths, taus, top_k=args.top_k, max_tokens=args.max_tokens,
+                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    top_k = _walk_settings(args).resolved(model.config.intermediate).top_k
+    for line in format_frontier(model, top_k, points, bounds, len(args.prompts)):
+        print(line)
+    if args.json:
+        doc = {"model": model.name, "top_k": top_k, "intermediate": model.config.intermediate,
+               "prompts": args.prompts, "max_tokens": args.max_tokens,
+               "designs": [p.to_dict() for p in points], "bounds": [b.to_dict() for b in bounds]}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
     return 0
 
 
@@ -315,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
                       help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
     chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
+    chat.add_argument("--explain-misses", type=float, default=0.0, metavar="FRACTION",
+                      help="walk FFN: explain this share of cache misses (nearest stored entry by feature overlap "
+                           "and by cosine; time-capped at 5%% of the misses') and print the summary")
+    chat.add_argument("--json", default=None, help="with --explain-misses: write the session's statistics here")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -347,6 +404,17 @@ def build_parser() -> argparse.ArgumentParser:
     coll.add_argument("--json", default=None, help="also write the figures to this JSON file")
     coll.add_argument("prompts", nargs="+", metavar="PROMPT")
     coll.set_defaults(func=cmd_collapse)
+    front = sub.add_parser("frontier", help="key width k' x cosine guard tau: hit rate against fidelity to the "
+                           "cache-off run, beside the nearest-neighbour bound at each tau")
+    common(front)
+    front.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    front.add_argument("--widths", default="K,64,8,1", help="key widths k' to sweep, K = all K ids (default K,64,8,1)")
+    front.add_argument("--taus", default="off,0.999,0.995,0.99",
+                       help="cosine guards to sweep, off = none (default off,0.999,0.995,0.99)")
+    front.add_argument("--max-tokens", type=int, default=24, help="tokens per generation (default 24)")
+    front.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    front.add_argument("prompts", nargs="+", metavar="PROMPT")
+    front.set_defaults(func=cmd_frontier)
     bench_all = sub.add_parser("bench", help="prefill/decode speed, time to first token and peak RSS of each FFN "
                                "configuration, and llama.cpp's on the same GGUF when llama_cpp is installed")
     common(bench_all)

@@ -183,26 +183,6 @@ def near_miss_arrays(snap: StatsSnapshot) -> dict[str, np.ndarray]:
             "cosine_hist": nm.cosine_hist}
 
 
-def near_miss_text(snap: StatsSnapshot, baseline: float | None) -> str:
-    """One line under the near-miss charts: what the explained misses say, or how to turn explanation on."""
-    nm = snap.near_miss
-    if nm is None or not int(nm.sampled.sum()):
-        return ("No misses explained: set \"Explain misses\" in the walk settings (a share of misses is "
-                "compared with every stored entry; off by default).")
-    found = int(nm.found.sum())
-    if not found:
-        return f"{int(nm.sampled.sum())} misses explained; the tiers held nothing to compare them with yet."
-    overlap = float(nm.overlap_sum.sum()) / found
-    cos = float(nm.cosine_sum.sum()) / found
-    served = int(nm.served.sum())
-    err = float(nm.served_error_sum.sum()) / served if served else float("nan")
-    chance = f" (two random K-sets share {baseline:.3f})" if baseline is not None else ""
-    guard = (f"a cosine guard at tau {nm.tau} would have served {100 * served / found:.1f}% of them"
-             + (f", with output error {err:.3f} on average" if served else ""))
-    return (f"{found} misses explained: the nearest stored entry shared {overlap:.3f} of its features on average"
-            f"{chance} and its residual cosine was {cos:.4f}; {guard}.")
-
-
 # --- exports ---
 
 def _finite(value):

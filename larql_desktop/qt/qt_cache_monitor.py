@@ -14,10 +14,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QSpinBox, QTabWidget,
                                QVBoxLayout, QWidget)
 
-from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES
+from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES, describe as describe_near_misses
 from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings, default_top_k
 from larql_desktop.engine.cache.l3 import L3Settings
-from larql_desktop.qt.cache_monitor_model import MonitorModel, near_miss_text, stats_csv, stats_json
+from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
 from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
 from larql_desktop.qt.worker import EngineClient
 
@@ -626,7 +626,7 @@ class CacheMonitor(QWidget):
                 image.setImage(share, autoLevels=False, levels=(0, 1))
                 image.setRect(-0.5, -0.5, event.n_layers, len(edges) - 1)
                 plot.setRange(xRange=(-0.5, event.n_layers - 0.5), yRange=(-0.5, len(edges) - 1.5), padding=0)
-        self.near_summary.setText(near_miss_text(event.process, baseline))
+        self.near_summary.setText(describe_near_misses(event.process.near_miss, baseline))
 
     def _update_titles(self, event: CacheStatsEvent) -> None:
         tiers = event.process.tiers

@@ -226,3 +226,23 @@ class NearMissCounts:
                                 self.overlap_hist.copy(), self.cosine_hist.copy(), self.overlap_sum.copy(),
                                 self.cosine_sum.copy(), self.served_error_sum.copy(),
                                 self.served_error_max.copy(), self.tau, tuple(self.recent))
+
+
+def describe(nm: NearMissSnapshot | None, baseline: float | None) -> str:
+    """One line for people: what the explained misses say (baseline: K/F, the overlap of two random K-sets), or
+    how to turn explanation on."""
+    if nm is None or not int(nm.sampled.sum()):
+        return ("No misses explained: turn on \"Explain misses\" (a share of misses is compared with every stored "
+                "entry of its layer; off by default).")
+    found = int(nm.found.sum())
+    if not found:
+        return f"{int(nm.sampled.sum())} misses explained; the tiers held nothing to compare them with yet."
+    overlap = float(nm.overlap_sum.sum()) / found
+    cos = float(nm.cosine_sum.sum()) / found
+    served = int(nm.served.sum())
+    err = float(nm.served_error_sum.sum()) / served if served else float("nan")
+    chance = f" (two random K-sets share {baseline:.3f})" if baseline is not None else ""
+    guard = (f"a cosine guard at tau {nm.tau} would have served {100 * served / found:.1f}% of them"
+             + (f", with output error {err:.3f} on average" if served else ""))
+    return (f"{found} misses explained: the nearest stored entry shared {overlap:.3f} of its features on average"
+            f"{chance} and its residual cosine was {cos:.4f}; {guard}.")
