@@ -384,9 +384,10 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
     settings = SamplingSettings(max_tokens=max_tokens)
     reference = CacheOffReference(model, base, settings)
 
-    def agreement(tokens_by_prompt: dict[str, list[int]]) -> tuple[int, int, int]:
+    def agreement(runs: list[tuple[str, list[int]]]) -> tuple[int, int, int]:
+        """(tokens equal to the cache-off run, tokens compared, identical generations) over (prompt, tokens)."""
         agree = total = same = 0
-        for prompt, tokens in tokens_by_prompt.items():
+        for prompt, tokens in runs:
             ref = reference.tokens(prompt)
             agree += sum(a == b for a, b in zip(tokens, ref))
             total += max(len(tokens), len(ref))
@@ -396,15 +397,15 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
     points = []
     for walk in designs:
         engine = LarqlEngine(model, walk=walk)
-        tokens, lookups, hits = {}, 0, 0
+        runs, lookups, hits = [], 0, 0
         for prompt in prompts:
             session = engine.new_session()
-            tokens[prompt] = [s.token_id for s in session.reply(prompt, settings)]
+            runs.append((prompt, [s.token_id for s in session.reply(prompt, settings)]))
             snap = engine.session_snapshot(session)
             lookups += snap.lookups
             hits += int(snap.tiers["L1"].hits.sum() + snap.tiers["L2"].hits.sum())
             engine.close_session(session)
-        agree, total, same = agreement(tokens)
+        agree, total, same = agreement(runs)
         fid = engine.snapshot().fidelity
         point = FrontierPoint(walk.key_width, walk.cosine_guard, lookups, hits, agree, total, same, len(prompts),
                               fid.mean_cosine if fid.checked else math.nan,
@@ -417,11 +418,11 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
     for tau in sorted({t for t in taus if t is not None}, reverse=True):
         off = WalkFfn(model.ffn, F, model.checksum, base, None, None, ())
         oracle = NearestNeighbourFfn(off, cfg.n_layers, tau)
-        tokens = {}
+        runs = []
         for prompt in prompts:
             session = ChatSession(model, oracle)
-            tokens[prompt] = [s.token_id for s in session.reply(prompt, settings)]
-        agree, total, same = agreement(tokens)
+            runs.append((prompt, [s.token_id for s in session.reply(prompt, settings)]))
+        agree, total, same = agreement(runs)
         mean, low = _cosine_summary(oracle.cosines)
         bound = FrontierPoint(None, tau, oracle.lookups, oracle.hits, agree, total, same, len(prompts), mean, low)
         bounds.append(bound)
