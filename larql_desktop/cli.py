@@ -154,32 +154,13 @@ def cmd_collapse(args) -> int:
     return 0
 
 
-def _size_list(text: str, what: str, parse) -> list:
-    """'K,64,8' or 'off,0.999': comma-separated values, where K / off stand for None."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if part.lower() in ("k", "off", "none"):
-            values.append(None)
-            continue
-        try:
-            values.append(parse(part))
-        except ValueError:
-            raise ValueError(f"{what}: {part!r} is not a number") from None
-    if not values:
-        raise ValueError(f"{what}: give at least one value")
-    return values
-
-
 def cmd_frontier(args) -> int:
     import json
 
-    from larql_desktop.tools.measure import format_frontier, run_frontier
+    from larql_desktop.tools.measure import format_frontier, parse_sweep, run_frontier
 
-    widths = _size_list(args.widths, "--widths", int)
-    taus = _size_list(args.taus, "--taus", float)
+    widths = parse_sweep(args.widths, "--widths", int)
+    taus = parse_sweep(args.taus, "--taus", float)
     model = _load(args, quiet_progress=True)
     points, bounds = run_frontier(model, args.prompts, widths, taus, top_k=args.top_k, max_tokens=args.max_tokens,
                                   log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -148,3 +148,35 @@ def test_monitor_reads_at_the_default_window_size(loaded, qtbot):
             assert plot.legend is None                                  # colour keys live in the titles
             assert plot.vb.boundingRect().height() >= 60                 # room left for the data
         assert view.isVisible()
+
+
+def test_frontier_view_runs_on_the_prompts_and_draws_the_bound(loaded, qtbot):
+    frontier = loaded.monitor.frontier
+    loaded.monitor.chart_tabs.setCurrentWidget(frontier)
+    frontier.widths.setText("x")
+    frontier.run_button.click()
+    assert not frontier.busy and "key widths: 'x' is not a number" in loaded.error_banner.text
+    frontier.prompts.setPlainText("Name a large animal.\nName a large animal.")
+    frontier.widths.setText("K")
+    frontier.taus.setText("off,0.999")
+    frontier.tokens.setValue(4)
+    frontier.run_button.click()
+    assert frontier.busy and frontier.stop_button.isEnabled() and not frontier.run_button.isEnabled()
+    qtbot.waitUntil(lambda: not frontier.busy, timeout=REPLY_TIMEOUT)
+    result = frontier.result
+    assert result is not None and len(result.points) == 2 and [b.tau for b in result.bounds] == [0.999]
+    assert frontier.table.rowCount() == 3 and frontier.table.item(2, 0).text() == "NN bound"
+    assert len(frontier.design_points.data) == 2
+    exact = result.points[0]                      # the repeat hits its twin's entries, every token kept
+    assert exact.hit_rate > 0.4 and exact.agreement == 1.0
+    bx, by = frontier.bound_line.getData()
+    assert bx[0] == pytest.approx(result.bounds[0].hit_rate) and bx[0] >= result.points[1].hit_rate - 1e-9
+    assert "nearest-neighbour bound: tau 0.999" in frontier.status.text()
+    # A long sweep stops at the next generation when asked.
+    frontier.widths.setText("K,64,8,1")
+    frontier.taus.setText("off,0.999,0.995,0.99")
+    frontier.run_button.click()
+    qtbot.waitUntil(lambda: "1/" in frontier.status.text() or not frontier.busy, timeout=REPLY_TIMEOUT)
+    frontier.stop_button.click()
+    qtbot.waitUntil(lambda: not frontier.busy, timeout=REPLY_TIMEOUT)
+    assert frontier.status.text() == "Stopped." and frontier.result is result

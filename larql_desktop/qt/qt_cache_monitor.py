@@ -18,6 +18,7 @@ from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES, de
 from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings, default_top_k
 from larql_desktop.engine.cache.l3 import L3Settings
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
+from larql_desktop.qt.qt_frontier import FrontierView
 from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
 from larql_desktop.qt.worker import EngineClient
 
@@ -199,6 +200,9 @@ class CacheMonitor(QWidget):
         self.chart_tabs.setDocumentMode(True)
         self.chart_tabs.addTab(self.charts, "Live")
         self.chart_tabs.addTab(self.near_view, "Near misses per layer")
+        self.frontier = FrontierView(self.client)
+        self.frontier.error.connect(self.error)
+        self.chart_tabs.addTab(self.frontier, "Frontier")
         self.chart_tabs.currentChanged.connect(lambda _: self.refresh(force=True))
         self.summary = QLabel("No statistics yet: load a model and send a prompt.")
         self.summary.setWordWrap(True)

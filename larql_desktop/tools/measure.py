@@ -279,6 +279,29 @@ def format_hitrates(model: LoadedModel, walk: WalkSettings, results: dict[str, S
 
 
 # ------------------------------------------------------------------------------------------ frontier
+class MeasurementStopped(Exception):
+    """The caller's should_stop() said so between two generations."""
+
+
+def parse_sweep(text: str, what: str, parse) -> list:
+    """'K,64,8' or 'off,0.999': comma-separated values, where K / off / none stand for None (k' = K, no guard)."""
+    values = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.lower() in ("k", "off", "none"):
+            values.append(None)
+            continue
+        try:
+            values.append(parse(part))
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number") from None
+    if not values:
+        raise ValueError(f"{what}: give at least one value")
+    return values
+
+
 @dataclass(frozen=True)
 class FrontierPoint:
     """One design on the prompts: hit rate of decode lookups against fidelity to the cache-off run."""
@@ -367,8 +390,8 @@ def _cosine_summary(cosines) -> tuple[float, float]:
 
 
 def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None], taus: list[float | None],
-                 top_k: int | None = None, max_tokens: int = 32,
-                 log: Log = lambda s: None) -> tuple[list[FrontierPoint], list[FrontierPoint]]:
+                 top_k: int | None = None, max_tokens: int = 32, log: Log = lambda s: None,
+                 should_stop: Callable[[], bool] = lambda: False) -> tuple[list[FrontierPoint], list[FrontierPoint]]:
     """Key width k' x guard tau on the prompts, run one after another with fresh sessions sharing the process
     L2 (so a prompt can hit what an earlier one stored, and its own decode steps what it stored itself); and the
     nearest-neighbour bound at each tau. Returns (designs, bounds). `widths`: None means k' = K."""
@@ -383,6 +406,11 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
                for w in widths for t in taus]
     settings = SamplingSettings(max_tokens=max_tokens)
     reference = CacheOffReference(model, base, settings)
+
+    def generate(session, prompt: str) -> list[int]:
+        if should_stop():
+            raise MeasurementStopped("the frontier was stopped")
+        return [s.token_id for s in session.reply(prompt, settings)]
 
     def agreement(runs: list[tuple[str, list[int]]]) -> tuple[int, int, int]:
         """(tokens equal to the cache-off run, tokens compared, identical generations) over (prompt, tokens)."""
@@ -400,7 +428,7 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
         runs, lookups, hits = [], 0, 0
         for prompt in prompts:
             session = engine.new_session()
-            runs.append((prompt, [s.token_id for s in session.reply(prompt, settings)]))
+            runs.append((prompt, generate(session, prompt)))
             snap = engine.session_snapshot(session)
             lookups += snap.lookups
             hits += int(snap.tiers["L1"].hits.sum() + snap.tiers["L2"].hits.sum())
@@ -420,8 +448,7 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
         oracle = NearestNeighbourFfn(off, cfg.n_layers, tau)
         runs = []
         for prompt in prompts:
-            session = ChatSession(model, oracle)
-            runs.append((prompt, [s.token_id for s in session.reply(prompt, settings)]))
+            runs.append((prompt, generate(ChatSession(model, oracle), prompt)))
         agree, total, same = agreement(runs)
         mean, low = _cosine_summary(oracle.cosines)
         bound = FrontierPoint(None, tau, oracle.lookups, oracle.hits, agree, total, same, len(prompts), mean, low)
