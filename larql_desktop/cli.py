@@ -61,6 +61,11 @@ def cmd_chat(args) -> int:
 
         k = engine.walk_settings.top_k or default_top_k(model.config.intermediate)
         print(f"near misses: {describe(snap.near_miss, k / model.config.intermediate)}", file=sys.stderr)
+        sampler = session.ffn.near_miss
+        if sampler is not None and sampler.miss_seconds:
+            print(f"explaining took {100 * sampler.spent / sampler.miss_seconds:.1f}% of the misses' own time "
+                  f"({sampler.skipped_for_budget} sampled misses skipped to stay within "
+                  f"{100 * sampler.budget:.0f}%)", file=sys.stderr)
         if args.json:
             import json
 
