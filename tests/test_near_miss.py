@@ -106,3 +106,19 @@ def test_time_budget_caps_the_cost(smollm2):
     assert 0 < int(nm.sampled.sum()) < int(engine.session_snapshot(session).full_misses.sum())
     # Spent time stays within the budget plus the one explanation that may overshoot it.
     assert sampler.spent <= sampler.budget * sampler.miss_seconds + sampler.longest
+
+
+def test_chat_cli_explains_misses_and_reports_their_cost(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "stats.json"
+    result = subprocess.run([sys.executable, "-m", "larql_desktop", "chat", "--ffn", "walk", "--explain-misses", "1.0",
+                             "--max-tokens", "8", "--json", str(out), "Tell me about rivers."],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    assert "misses explained" in result.stderr and "of the misses' own time" in result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["near_miss"]["sampled"] > 0 and len(doc["near_miss"]["per_layer"]["sampled"]) == 30
