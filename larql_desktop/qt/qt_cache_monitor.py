@@ -164,7 +164,8 @@ class CacheMonitor(QWidget):
         self._text_colour = "#1a1a1a"
         self.charts = pg.GraphicsLayoutWidget()
         self.charts.setAccessibleName("Cache charts")
-        self.charts.setMinimumSize(240, 100)
+        # With the view tabs above them the charts keep the panel's minimum height as it was without tabs.
+        self.charts.setMinimumSize(240, 72)
         self.charts.ci.setSpacing(4)
         self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", "s", TIER_COLOURS)
         self.hit_plot.setYRange(0, 1.15, padding=0)
@@ -219,7 +220,7 @@ class CacheMonitor(QWidget):
         """Per layer, next to the hit rate: how near the explained misses came to a stored entry."""
         self.near_charts = pg.GraphicsLayoutWidget()
         self.near_charts.setAccessibleName("Near-miss charts")
-        self.near_charts.setMinimumSize(240, 100)
+        self.near_charts.setMinimumSize(240, 72)
         self.near_charts.ci.setSpacing(4)
         self.near_plot = self._plot(0, 0, "Hits · nearest entry of misses", "share", "layer",
                                     NEAR_COLOURS, charts=self.near_charts)

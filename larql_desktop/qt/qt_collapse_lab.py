@@ -17,7 +17,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
-                               QPushButton, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QPushButton, QScrollArea, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.collapse import CSV_HEADER, CollapseReport, collapse, report_csv_rows
 from larql_desktop.qt.protocol import ModelInfo
@@ -50,6 +50,15 @@ def collapse_handler(worker):
         report = collapse(worker.model, list(request.prompts), top_k=request.top_k)
         worker.event.emit(CollapseResult(request.request_id, report))
     return handle
+
+
+def scrolling(content: QWidget) -> QScrollArea:
+    """`content` in a frameless scroll area that resizes it (a panel's minimum size is then the area's)."""
+    area = QScrollArea()
+    area.setWidget(content)
+    area.setWidgetResizable(True)
+    area.setFrameShape(QScrollArea.NoFrame)
+    return area
 
 
 def _keys(items: dict[str, str]) -> str:
@@ -153,7 +162,13 @@ class CollapseLab(QWidget):
         right.addWidget(self.charts)
         right.addWidget(self.table)
         right.setSizes([300, 200])
-        layout = QGridLayout(self)
+        # The content scrolls rather than holding the window to its minimum: the dock area stays as small as
+        # the window's other panels let it be.
+        content = QWidget()
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scrolling(content))
+        layout = QGridLayout(content)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(left, 0, 0)
         layout.addWidget(right, 0, 1)

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPla
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.qt.qt_collapse_lab import scrolling
 from larql_desktop.qt.worker import EngineClient
 from larql_desktop.tools.measure import FrontierPoint, MeasurementStopped, parse_sweep, run_frontier
 
@@ -154,7 +155,11 @@ class FrontierView(QWidget):
         self.table.setAccessibleName("Frontier table")
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
-        layout = QHBoxLayout(self)
+        content = QWidget()
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scrolling(content))      # as the lab: never holds the window to its minimum
+        layout = QHBoxLayout(content)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(left)
         layout.addWidget(self.plot_widget, 3)
