@@ -17,7 +17,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
-                               QPushButton, QScrollArea, QSpinBox, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.collapse import CSV_HEADER, CollapseReport, collapse, report_csv_rows
 from larql_desktop.qt.protocol import ModelInfo
@@ -83,6 +84,7 @@ class CollapseLab(QWidget):
         self.prompts = QPlainTextEdit()
         self.prompts.setAccessibleName("Collapse prompts")
         self.prompts.setPlaceholderText("One prompt per line (two or more)")
+        self.prompts.setMinimumHeight(48)
         self.prompts.setPlainText("What is the capital of France?\nTell me the capital city of France.\n"
                                   "Write a haiku about autumn leaves.")
         self.top_k = QSpinBox(minimum=0, maximum=1_000_000, singleStep=64)
@@ -102,7 +104,9 @@ class CollapseLab(QWidget):
             button.setAccessibleName(f"Export collapse {kind.upper()}")
             button.clicked.connect(lambda _=False, k=kind: self._on_export(k))
         self.status = QLabel("Prompts are compared at their last token, as the chat renders them.")
-        self.status.setWordWrap(True)
+        # One or two lines, clipped rather than wrapped: a wrapping label would make the scrolling content as
+        # tall as its preferred height instead of the panel's.
+        self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.status.setAccessibleName("Collapse status")
 
         form = QFormLayout()
@@ -119,7 +123,6 @@ class CollapseLab(QWidget):
         column.addLayout(form)
         column.addWidget(self.run_button)
         column.addLayout(exports)
-        column.addWidget(self.status)
 
         self.charts = pg.GraphicsLayoutWidget()
         self.charts.setAccessibleName("Collapse charts")
@@ -156,24 +159,33 @@ class CollapseLab(QWidget):
         self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
         self.table.setAccessibleName("Collapse table")
         self.table.verticalHeader().setVisible(False)
+        self.table.verticalHeader().setDefaultSectionSize(20)   # compact rows: more layers in view
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
 
-        right = QSplitter(Qt.Vertical)
+        # Wide and short, as the bottom dock is: controls | charts | table, the status line under the last two.
+        # The whole panel scrolls below its (small) minimum size, and the controls on their own when the dock is
+        # shorter than they are, so the panel never holds the window to a larger minimum than the monitor does.
+        self.charts.setMinimumSize(200, 60)
+        self.table.setMinimumSize(250, 60)          # every column in view at the default window size
+        right = QSplitter(Qt.Horizontal)
         right.addWidget(self.charts)
         right.addWidget(self.table)
-        right.setSizes([300, 200])
-        # The content scrolls rather than holding the window to its minimum: the dock area stays as small as
-        # the window's other panels let it be.
+        right.setStretchFactor(0, 2)
+        right.setStretchFactor(1, 1)
+        controls = scrolling(left)
+        controls.setFixedWidth(left.sizeHint().width() + 16)
+        controls.setMinimumHeight(40)
         content = QWidget()
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.addWidget(scrolling(content))
         layout = QGridLayout(content)
         layout.setContentsMargins(4, 4, 4, 4)
-        layout.addWidget(left, 0, 0)
+        layout.addWidget(controls, 0, 0, 2, 1)
         layout.addWidget(right, 0, 1)
+        layout.addWidget(self.status, 1, 1)
         layout.setColumnStretch(1, 1)
-        left.setMaximumWidth(320)
+        layout.setRowStretch(0, 1)
         self._update_enabled()
 
     # --- running ---
@@ -236,8 +248,8 @@ class CollapseLab(QWidget):
         first = report.pairs[0]
         equal = int(first.column("keys_equal").sum())
         self.status.setText(
-            f"{report.model}, {report.template} prompts, K={report.top_k} of {report.intermediate}: a random "
-            f"K-subset pair already overlaps {report.baseline:.3f}. Prompts 1-2: cosine median "
+            f"{report.model}, {report.template} prompts, K={report.top_k} of {report.intermediate}: two random "
+            f"K-sets already share {report.baseline:.3f} of their features.<br>Prompts 1-2: cosine median "
             f"{np.median(first.column('cosine')):.3f}, overlap median {np.median(first.column('overlap')):.3f}, "
             f"equal keys on {equal} of {len(first.layers)} layers.")
         self._draw()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtWidgets import (QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
-                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFormLayout, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
+                               QSizePolicy, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.qt.qt_collapse_lab import scrolling
@@ -116,7 +116,9 @@ class FrontierView(QWidget):
         self.stop_button.setAccessibleName("Stop frontier")
         self.stop_button.clicked.connect(self.stop)
         self.status = QLabel("Each design runs every prompt in fresh chats sharing L2; replies wait while it runs.")
-        self.status.setWordWrap(True)
+        # One or two lines, clipped rather than wrapped: a wrapping label would make the scrolling content as
+        # tall as its preferred height instead of the panel's.
+        self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.status.setAccessibleName("Frontier status")
 
         form = QFormLayout()
@@ -132,8 +134,7 @@ class FrontierView(QWidget):
         column.addWidget(self.prompts, 1)
         column.addLayout(form)
         column.addLayout(buttons)
-        column.addWidget(self.status)
-        left.setMaximumWidth(300)
+        self.prompts.setMinimumHeight(48)
 
         self.plot_widget = pg.PlotWidget()
         self.plot_widget.setAccessibleName("Frontier chart")
@@ -145,7 +146,7 @@ class FrontierView(QWidget):
         self.plot.setLabel("left", "greedy agreement")
         self.plot.setTitle("Hit rate vs fidelity<br><span style='font-size:8pt'>"
                            f"<span style='color:{BOUND_COLOUR}'>&#9733;&nbsp;NN bound</span> "
-                           "&#9679;&nbsp;feature keys, coloured by tau</span>", size="10pt")
+                           "&#9679;&nbsp;keys (colour: tau)</span>", size="10pt")
         self.design_points = pg.ScatterPlotItem(size=9, pen=None)
         self.bound_line = self.plot.plot([], [], pen=pg.mkPen(BOUND_COLOUR, width=1.5, style=Qt.DashLine),
                                          symbol="star", symbolSize=13, symbolBrush=BOUND_COLOUR, symbolPen=None)
@@ -154,16 +155,27 @@ class FrontierView(QWidget):
         self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
         self.table.setAccessibleName("Frontier table")
         self.table.verticalHeader().setVisible(False)
+        self.table.verticalHeader().setDefaultSectionSize(20)   # compact rows: more layers in view
         self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        # As the lab: controls | chart | table, the status lines under them; scrolling below the minimum size.
+        self.plot_widget.setMinimumSize(200, 60)
+        self.table.setMinimumSize(120, 60)
+        controls = scrolling(left)
+        controls.setFixedWidth(220)
+        controls.setMinimumHeight(40)
         content = QWidget()
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
-        outer.addWidget(scrolling(content))      # as the lab: never holds the window to its minimum
-        layout = QHBoxLayout(content)
+        outer.addWidget(scrolling(content))
+        layout = QGridLayout(content)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(left)
-        layout.addWidget(self.plot_widget, 3)
-        layout.addWidget(self.table, 2)
+        layout.addWidget(controls, 0, 0, 2, 1)
+        layout.addWidget(self.plot_widget, 0, 1)
+        layout.addWidget(self.table, 0, 2)
+        layout.addWidget(self.status, 1, 1, 1, 2)
+        layout.setColumnStretch(1, 3)
+        layout.setColumnStretch(2, 2)
+        layout.setRowStretch(0, 1)
         self._update_enabled()
 
     @property
@@ -251,7 +263,7 @@ class FrontierView(QWidget):
                 else "no design kept every token")
         bounds = ", ".join(f"tau {b.tau:g} {_pct(b.hit_rate)} ({b.identical}/{b.generations} unchanged)"
                            for b in result.bounds)
-        self.status.setText(f"{result.model}, K={result.top_k}: {best}; nearest-neighbour bound: {bounds or 'none'}.")
+        self.status.setText(f"{result.model}, K={result.top_k}: {best};<br>nearest-neighbour bound: {bounds or 'none'}.")
 
     def export(self, path: str | Path) -> Path:
         if self.result is None:
