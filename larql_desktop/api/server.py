@@ -7,6 +7,7 @@ Routes (an OpenAPI description is served at /openapi.json):
   GET    /v1/patches        applied INSERT patches;  POST /v1/patches applies one (the body is the patch JSON)
   DELETE /v1/patches/{i}    removes one;            POST /v1/insert installs a fact
   GET    /v1/health
+  GET    /v1/models, POST /v1/chat/completions, POST /v1/completions: the OpenAI-compatible API (openai_compat.py)
 
 Security: the server binds to loopback unless a token is given, and with a token every request needs
 `Authorization: Bearer <token>`. On loopback the Host header must name loopback too (no DNS rebinding), POST
@@ -35,6 +36,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from larql_desktop.api import openai_compat
+from larql_desktop.api.connections import ConnectionLimits, ConnectionRegistry, guarded_protocol
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.walk import is_full_k
 from larql_desktop.engine.patches.insert import Fact
@@ -156,7 +159,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         problem = self._check(scope, headers)
         if problem is not None:
-            return await self._refuse(send, *problem)
+            return await self._refuse(send, *problem, path=scope["path"])
         received = 0
 
         async def capped_receive():
@@ -182,7 +185,7 @@ class Guard:
             await self.app(scope, capped_receive, tracking_send)
         except (_BodyTooLarge, HTTPException):
             if not started:
-                await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes")
+                await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes", path=scope["path"])
 
     def _check(self, scope, headers):
         if self.loopback_hosts:
@@ -208,8 +211,10 @@ class Guard:
         return None
 
     @staticmethod
-    async def _refuse(send, status, detail, extra=None):
-        body = JSONResponse({"detail": detail}).body
+    async def _refuse(send, status, detail, extra=None, path: str = ""):
+        # The OpenAI-compatible routes answer in the OpenAI error shape, whose clients read `error.message`.
+        doc = openai_compat.error_doc(status, detail) if openai_compat.is_openai_path(path) else {"detail": detail}
+        body = JSONResponse(doc).body
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -218,13 +223,16 @@ class Guard:
 
 # ----------------------------------------------------------------------------------------------- app
 def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               loopback_hosts: bool = True) -> FastAPI:
+               loopback_hosts: bool = True, generation_slots: int = 1) -> FastAPI:
     cfg = engine.model.config
     mutate = threading.Lock()
     app = FastAPI(title="larql-desktop local API", version=API_VERSION,
                   description="LARQL's walk FFN and its FFN activation cache over a model loaded in larql-desktop.")
     app.add_middleware(Guard, token=token, max_body=max_body, loopback_hosts=loopback_hosts)
     app.state.engine = engine
+    # One forward pass at a time by default: on a small machine one pass already uses every core, and the
+    # turns are handed out in arrival order, so concurrent completions interleave token by token.
+    app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots)))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -359,6 +367,7 @@ class ServerHandle:
     port: int
     server: Any
     thread: threading.Thread
+    connections: ConnectionRegistry | None = None   # open connections and what the limits closed
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
@@ -390,11 +399,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
-                 *, max_body: int = DEFAULT_MAX_BODY, limit_concurrency: int = 64,
-                 startup_timeout: float = 15.0) -> ServerHandle:
+                 *, max_body: int = DEFAULT_MAX_BODY, limits: ConnectionLimits = ConnectionLimits(),
+                 generation_slots: int = 1, startup_timeout: float = 15.0) -> ServerHandle:
     """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
 
-    A host other than loopback needs a token. Raises OSError when the address cannot be bound."""
+    A host other than loopback needs a token. Raises OSError when the address cannot be bound. `limits`: timeouts
+    and connection caps (api/connections.py) instead of uvicorn's limit_concurrency, which answered everyone with
+    503 once 64 idle connections were open."""
     import uvicorn
 
     if not is_loopback(host) and not token:
@@ -402,11 +413,14 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFA
                          "'Authorization: Bearer <token>'")
     if token is not None and len(token) < 16:
         raise ValueError("the token must be at least 16 characters")
-    app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host))
+    app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host),
+                     generation_slots=generation_slots)
+    registry = ConnectionRegistry(limits)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http="h11",
-                            limit_concurrency=limit_concurrency, timeout_graceful_shutdown=3,
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            http=guarded_protocol(registry), timeout_keep_alive=limits.keep_alive,
+                            h11_max_incomplete_event_size=limits.max_header_bytes, timeout_graceful_shutdown=3,
                             server_header=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="larql-api", daemon=True)
@@ -419,4 +433,4 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFA
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.01)
     url_host = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
-    return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread)
+    return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread, registry)
