@@ -29,6 +29,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 import anyio.to_thread
@@ -74,13 +75,24 @@ class ApiError(Exception):
 # ----------------------------------------------------------------------------------------------- scheduling
 class FairTurns:
     """An asyncio semaphore that hands its `slots` out strictly in arrival order (a request that takes a turn
-    queues again behind everyone already waiting), so concurrent generations interleave step by step."""
+    queues again behind everyone already waiting), so concurrent generations interleave step by step.
+
+    `run(fn)` runs one step in the turn-holder's thread: the steps run on `slots` threads of their own (a forward
+    pass keeps per-thread onnxruntime bindings warm; hopping over a large pool would rebuild them), never on the
+    thread pool that serves the other routes."""
 
     def __init__(self, slots: int = 1):
         if slots < 1:
             raise ValueError("at least one generation slot is needed")
         self._free = slots
         self._waiting: deque[asyncio.Future] = deque()
+        self._threads = ThreadPoolExecutor(slots, thread_name_prefix="larql-generate")
+
+    async def run(self, fn):
+        """fn() in a generation thread, during a turn. Cancelled, it still waits for fn to return (a forward
+        pass cannot be interrupted), so whoever cleans up afterwards never races the step."""
+        async with self:
+            return await anyio.to_thread.run_sync(lambda: self._threads.submit(fn).result())
 
     async def __aenter__(self) -> None:
         if self._free and not self._waiting:
@@ -359,8 +371,7 @@ def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
             while not run.finished:
                 if watch_disconnect and await request.is_disconnected():
                     return
-                async with turns:
-                    text = await anyio.to_thread.run_sync(run.step)
+                text = await turns.run(run.step)
                 if text:
                     yield text
         finally:
