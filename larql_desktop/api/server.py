@@ -17,6 +17,8 @@ malformed request gets a 4xx with a reason in `detail` before anything is run or
 Concurrency: walk requests run in uvicorn's thread pool, each with its own WalkFfn (no L1) over the shared,
 locked L2 and the thread-safe L3 and statistics; onnxruntime sessions take concurrent runs. Patch changes are
 serialised by a lock and swap the engine's immutable overlay, so a walk in flight sees one overlay throughout.
+Completions (openai_compat.py) run as engine sessions, one forward pass per fair turn on threads of their own.
+Connections (connections.py): header, body and keep-alive timeouts and per-client caps, no 503 for everyone.
 """
 from __future__ import annotations
 
