@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(selftest)
     selftest.set_defaults(func=cmd_self_test)
 
-    serve = sub.add_parser("serve", help="the local HTTP API (walk FFN, cache stats, patches) without the app")
+    serve = sub.add_parser("serve", help="the local HTTP API (walk FFN, cache stats, patches, and the "
+                                          "OpenAI-compatible /v1/chat/completions) without the app")
     common(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
     serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")

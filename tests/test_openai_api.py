@@ -18,7 +18,7 @@ from larql_desktop.api.connections import ConnectionLimits
 from larql_desktop.api.server import start_server
 from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.cache.walk import WalkSettings
-from larql_desktop.engine.completions import StopStrings
+from larql_desktop.engine.completions import StopStrings, cache_counts
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.generation import SamplingSettings, Sampler
 from larql_desktop.tools.loadtest import run_chat_load
@@ -111,6 +111,9 @@ def test_a_second_clients_greedy_repeat_is_served_from_l2_and_says_the_same(serv
     engine.close_session(session)
     assert session.messages[-1]["content"] == text
     assert len([s for s in steps if not s.is_stop]) == first.usage.completion_tokens
+    # ...served from the same shared L2 that the API clients filled.
+    chat = cache_counts(None, engine.session_snapshot(session))
+    assert chat.lookups == a["lookups"] and chat.tier("L2") == (chat.lookups, 0)
 
 
 def test_streamed_chat_matches_the_plain_reply(served):

@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator
 import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
 from larql_desktop.engine.completions import CompletionRun, PromptTooLong
