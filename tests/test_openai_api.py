@@ -322,6 +322,27 @@ def test_eight_streams_progress_together_and_a_disconnect_frees_its_slot(served)
     assert r.usage.completion_tokens == 2 and time.monotonic() - t0 < 5
 
 
+def test_completions_over_the_cap_get_a_429_until_one_ends(smollm2):
+    engine = LarqlEngine(smollm2)
+    handle = start_server(engine, "127.0.0.1", 0, max_completions=1)
+    try:
+        with httpx.stream("POST", f"{handle.url}/v1/chat/completions", timeout=60,
+                          json={"model": "smollm2", "messages": QUESTION, "max_tokens": 500, "stream": True}) as r:
+            next(r.iter_lines())
+            with pytest.raises(openai.RateLimitError) as err:
+                _client(handle).completions.create(model="smollm2", prompt="Hello", max_tokens=2)
+            assert err.value.body["type"] == "rate_limit_error" and "busy" in err.value.body["message"]
+            assert len(engine.sessions) == 1
+        # The stream's client went away: its place is free again.
+        deadline = time.monotonic() + 5
+        while engine.sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = _client(handle).completions.create(model="smollm2", prompt="Hello", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+    finally:
+        handle.stop()
+
+
 def _open_idle(url: str, n: int) -> list[socket.socket]:
     host, port = url.rsplit("/", 1)[-1].split(":")
     return [socket.create_connection((host, int(port))) for _ in range(n)]

@@ -48,6 +48,7 @@ OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
 MAX_STOP_STRINGS = 4          # as the OpenAI API
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 DEFAULT_TEMPERATURE = 1.0     # the OpenAI API's default (the app's own chats default to greedy)
+DEFAULT_MAX_COMPLETIONS = 32  # sessions held at once by API requests (SmolLM2's KV cache: ~12 MB per 256 tokens)
 
 
 def is_openai_path(path: str) -> bool:
@@ -254,10 +255,12 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------- routes
-def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
-    """The OpenAI-compatible routes over `engine` (a LarqlEngine), taking generation turns from `turns`."""
+def openai_router(engine, turns: FairTurns | None = None, max_completions: int = DEFAULT_MAX_COMPLETIONS) -> APIRouter:
+    """The OpenAI-compatible routes over `engine` (a LarqlEngine), taking generation turns from `turns`; at most
+    `max_completions` requests hold a session at once (each has a KV cache), more get a 429 (clients retry)."""
     router = APIRouter(tags=["OpenAI-compatible"])
     turns = turns if turns is not None else FairTurns()
+    active: set[CompletionRun] = set()      # touched from the event loop only
     model = engine.model
     model_id = model.name
     created = int(model.path.stat().st_mtime) if model.path.exists() else 0
@@ -300,12 +303,22 @@ def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
 
     def start(ids: list[int], req: _SamplingRequest, param: str) -> CompletionRun:
         settings, stops = _sampling(req, model.context_limit, len(ids))
+        if len(active) >= max_completions:
+            raise ApiError(429, f"the server is busy with {len(active)} completions; retry shortly",
+                           code="too_many_completions")
         try:
-            return CompletionRun(engine, ids, settings, stops)
+            run = CompletionRun(engine, ids, settings, stops)
         except PromptTooLong as exc:
             raise ApiError(400, f"{exc}: shorten it", param, "context_length_exceeded") from None
         except ValueError as exc:
             raise ApiError(400, str(exc), param) from None
+        active.add(run)
+        return run
+
+    def finish(run: CompletionRun):
+        """Close the run (idempotent) and free its place."""
+        active.discard(run)
+        return run.close()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -375,7 +388,7 @@ def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
                 if text:
                     yield text
         finally:
-            run.close()
+            finish(run)
 
     async def respond(request: Request, run: CompletionRun, req: _SamplingRequest, chat: bool):
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -389,7 +402,7 @@ def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
                 log.exception("completion failed")
                 return JSONResponse(error_doc(500, "the engine failed while generating (details in the log)"),
                                     status_code=500)
-            result = run.close()
+            result = finish(run)
             choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": result.text}} if chat else
                           {"text": result.text})
@@ -420,14 +433,14 @@ def openai_router(engine, turns: FairTurns | None = None) -> APIRouter:
                 yield f"data: {json.dumps(error_doc(500, 'the engine failed while generating'))}\n\n".encode()
                 yield b"data: [DONE]\n\n"
                 return
-            result = run.close()
+            result = finish(run)
             cache = result.cache.to_dict()
             yield chunk(piece(None, result.finish_reason), usage=usage(result), larql_cache=cache)
             if include_usage:
                 yield chunk(None, usage=usage(result), larql_cache=cache)
             yield b"data: [DONE]\n\n"
 
-        return _ClosingStream(events(), run, media_type="text/event-stream",
+        return _ClosingStream(events(), lambda: finish(run), media_type="text/event-stream",
                               headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     def usage(result) -> dict:
@@ -441,13 +454,13 @@ class _ClosingStream(StreamingResponse):
     """A streamed reply whose run is closed however the response ends: finished, failed, or cancelled when the
     client disconnects (Starlette then cancels the stream between chunks, where its generator is not closed)."""
 
-    def __init__(self, content, run: CompletionRun, **kw):
+    def __init__(self, content, finish, **kw):
         super().__init__(content, **kw)
-        self._run = run
+        self._finish = finish
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-            self._run.close()
+            self._finish()

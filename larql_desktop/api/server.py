@@ -225,7 +225,8 @@ class Guard:
 
 # ----------------------------------------------------------------------------------------------- app
 def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               loopback_hosts: bool = True, generation_slots: int = 1) -> FastAPI:
+               loopback_hosts: bool = True, generation_slots: int = 1,
+               max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS) -> FastAPI:
     cfg = engine.model.config
     mutate = threading.Lock()
     app = FastAPI(title="larql-desktop local API", version=API_VERSION,
@@ -234,7 +235,8 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     app.state.engine = engine
     # One forward pass at a time by default: on a small machine one pass already uses every core, and the
     # turns are handed out in arrival order, so concurrent completions interleave token by token.
-    app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots)))
+    app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
+                                                   max_completions))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -402,7 +404,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
                  *, max_body: int = DEFAULT_MAX_BODY, limits: ConnectionLimits = ConnectionLimits(),
-                 generation_slots: int = 1, startup_timeout: float = 15.0) -> ServerHandle:
+                 generation_slots: int = 1, max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
+                 startup_timeout: float = 15.0) -> ServerHandle:
     """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
 
     A host other than loopback needs a token. Raises OSError when the address cannot be bound. `limits`: timeouts
@@ -416,7 +419,7 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFA
     if token is not None and len(token) < 16:
         raise ValueError("the token must be at least 16 characters")
     app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host),
-                     generation_slots=generation_slots)
+                     generation_slots=generation_slots, max_completions=max_completions)
     registry = ConnectionRegistry(limits)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
