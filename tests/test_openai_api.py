@@ -316,6 +316,14 @@ def test_eight_streams_progress_together_and_a_disconnect_frees_its_slot(served)
     calls = engine.snapshot().calls
     time.sleep(0.5)
     assert engine.snapshot().calls == calls
+    # The same for a plain (not streamed) request whose client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{handle.url}/v1/chat/completions", timeout=1.0,
+                   json={"model": "smollm2", "messages": QUESTION, "max_tokens": 2000, "temperature": 0.8})
+    deadline = time.monotonic() + 5
+    while engine.sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.sessions == []
     # ...and the next client is served at once.
     t0 = time.monotonic()
     r = _client(handle).chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2, temperature=0)
