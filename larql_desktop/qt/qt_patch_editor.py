@@ -29,7 +29,8 @@ class PatchEditor(QWidget):
     def __init__(self, client: EngineClient, parent: QWidget | None = None):
         super().__init__(parent)
         self.client = client
-        self.patches: tuple = ()
+        self.patches: tuple = ()   # PatchSummary of each row of the list
+        self._patches_version = 0
         self.last_probe: ProbeResult | None = None
         self.last_insert: InsertFinished | None = None
         self._pending: dict[int, type] = {}   # this panel's requests still in the worker, by id
@@ -194,10 +195,11 @@ class PatchEditor(QWidget):
         return self._submit(LoadPatchFile(self.client.next_request_id(), Path(path)))
 
     def save_patch(self, index: int, path: str | Path) -> int:
-        return self._submit(SavePatch(self.client.next_request_id(), index, Path(path)))
+        """Save the patch shown in row `index` (requests name it by id: the list may change meanwhile)."""
+        return self._submit(SavePatch(self.client.next_request_id(), self.patches[index].id, Path(path)))
 
     def remove_patch(self, index: int) -> int:
-        return self._submit(RemovePatch(self.client.next_request_id(), index))
+        return self._submit(RemovePatch(self.client.next_request_id(), self.patches[index].id))
 
     @property
     def busy(self) -> bool:
@@ -275,6 +277,11 @@ class PatchEditor(QWidget):
         self._update_enabled()
 
     def _show_patches(self, event: PatchesChanged) -> None:
+        # Events from HTTP clients and from this window may arrive out of order: never show an older state.
+        # Version 0 is the full list sent after a model load, whose engine counts afresh.
+        if event.version and event.version < self._patches_version:
+            return
+        self._patches_version = event.version
         self.patches = event.patches
         self.patch_list.clear()
         for patch in event.patches:

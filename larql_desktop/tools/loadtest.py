@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from larql_desktop.api.server import is_loopback
+from larql_desktop.engine.services import is_loopback
 
 
 @dataclass
