@@ -15,7 +15,8 @@ from PySide6.QtCore import QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
-from larql_desktop.qt.protocol import InsertProgress  # noqa: E402
+from larql_desktop.engine.patches.applied import AppliedPatchStore  # noqa: E402
+from larql_desktop.qt.protocol import InsertCancelled, InsertProgress  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
@@ -414,3 +415,70 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
     win.close()
     assert not win.client.is_running() and win.server.url is None
     assert _refused(url)
+
+
+def test_an_insert_can_be_cancelled_and_applies_nothing(loaded, qtbot):
+    editor = loaded.patch_editor
+    editor.entity.setText("Atlantis")
+    editor.relation.setText("capital-of")
+    editor.target.setText("Poseidon")
+    # Cancel at the first progress report: the INSERT stops at its next step.
+    loaded.client.event.connect(lambda e: editor.cancel_insert() if isinstance(e, InsertProgress) else None)
+    with qtbot.waitSignal(loaded.client.event, timeout=INSERT_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, InsertCancelled)):
+        qtbot.mouseClick(editor.insert_button, Qt.LeftButton)
+        assert editor.cancel_button.isVisible()
+    qtbot.waitUntil(lambda: not editor.busy, timeout=10_000)
+    assert editor.last_insert is None and "cancelled" in editor.progress_label.text()
+    assert not editor.cancel_button.isVisible() and editor.insert_button.isEnabled()
+    assert loaded.client.worker.engine.applied_patches == () and editor.patch_list.topLevelItemCount() == 0
+
+
+def test_applied_patches_come_back_when_the_app_starts_again(qtbot, qapp, app_paths, settings_file, tmp_path):  # noqa: F811
+    store = AppliedPatchStore(tmp_path / "patches")
+
+    def open_window():
+        win = MainWindow(EngineClient(app_paths, threads=2, applied=store),
+                         QSettings(str(settings_file), QSettings.IniFormat), qapp)
+        win.show()
+        with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
+            win.load_model(DEFAULT_MODEL)
+        return win
+
+    win = open_window()
+    try:
+        engine = win.client.worker.engine
+        d = engine.model.config.hidden
+        doc = {"version": 1, "base_model": engine.model.name, "base_checksum": engine.model.checksum,
+               "description": "kept between launches",
+               "operations": [{"op": "update", "layer": 2, "feature": 9,
+                               "down": encode_vector(np.full(d, 0.01, np.float32))}]}
+        path = tmp_path / "kept.json"
+        path.write_text(json.dumps(doc))
+        win.patch_editor.load_file(path)
+        qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT)
+        patch_id = win.patch_editor.patches[0].id
+    finally:
+        win.close()
+    again = open_window()
+    try:
+        qtbot.waitUntil(lambda: again.patch_editor.patch_list.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT)
+        assert again.patch_editor.patches[0].id == patch_id and again.patch_editor.patches[0].name == "kept"
+        assert [p.id for p in again.client.worker.engine.applied_patches] == [patch_id]
+        checksum = again.client.worker.engine.model.checksum
+    finally:
+        again.close()
+    # A damaged list is set aside with a message; the app starts without it and keeps running.
+    store.path_for(checksum).write_text("{ not json")
+    third = MainWindow(EngineClient(app_paths, threads=2, applied=store),
+                       QSettings(str(settings_file), QSettings.IniFormat), qapp)
+    third.show()
+    try:
+        with qtbot.waitSignal(third.client.error, timeout=LOAD_TIMEOUT) as error:
+            third.load_model(DEFAULT_MODEL)
+        assert "could not be read" in error.args[0].message and "Restoring patches" == error.args[0].context
+        assert store.path_for(checksum).with_suffix(".corrupt").is_file()
+        qtbot.waitUntil(lambda: third.client.worker.engine is not None, timeout=LOAD_TIMEOUT)
+        assert third.client.worker.engine.applied_patches == ()
+    finally:
+        third.close()

@@ -85,6 +85,7 @@ class InsertFact:
     layer: int | None         # None: the engine picks (LARQL's default layer, then its neighbours)
     alpha: float
     probe: str                # a prompt to compare before/after once the fact is in ("" for none)
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,12 @@ class InsertProgress:
     request_id: int
     message: str
     fraction: float
+
+
+@dataclass(frozen=True)
+class InsertCancelled:
+    """The user stopped an INSERT: nothing was applied."""
+    request_id: int
 
 
 @dataclass(frozen=True)

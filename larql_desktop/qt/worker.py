@@ -38,9 +38,10 @@ from larql_desktop.qt import engine_jobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
+from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.engine.services import DEFAULT_API_HOST
 from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
-                                       InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
+                                       InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
                                        Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
                                        SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
 from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
@@ -76,8 +77,9 @@ class EngineWorker(QObject):
     event = Signal(object)               # any other frozen snapshot (patches, INSERT progress, probes…)
 
     def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None,
-                 serve: Callable | None = None):
+                 serve: Callable | None = None, applied: AppliedPatchStore | None = None):
         super().__init__()
+        self._applied = applied                  # where each model's applied patches are kept between launches
         self._paths = paths
         self.l3 = l3
         self._loader = loader
@@ -177,7 +179,10 @@ class EngineWorker(QObject):
         # Only a successful load replaces the old model; the sessions (and patches) belonged to the old one.
         if self._unsubscribe is not None:
             self._unsubscribe()
-        self._unsubscribe = engine.subscribe(self._on_engine_event)
+        restored, problems = self._applied.load(engine) if self._applied is not None else ([], [])
+        for patch in restored:
+            engine.apply_patch(patch)
+        self._unsubscribe = engine.subscribe(lambda event: self._on_engine_event(engine, event))
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
         self.sessions.clear()
@@ -185,6 +190,8 @@ class EngineWorker(QObject):
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
         self.model_loaded.emit(model_info(request.request_id, model))
         self.event.emit(engine_jobs.current_patches(engine, request.request_id))
+        for problem in problems:
+            self.error.emit(ErrorReport(None, None, "Restoring patches", problem))
         self._emit_stats()
         if self._server_port is not None:   # the old engine is gone: serve the new one on the same port
             self._serve_now(0)
@@ -201,9 +208,12 @@ class EngineWorker(QObject):
             session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
         return session
 
-    def _on_engine_event(self, event) -> None:
-        """Runs in whichever thread changed the engine (this one, or an HTTP request's): only emits signals."""
+    def _on_engine_event(self, engine: LarqlEngine, event) -> None:
+        """Runs in whichever thread changed the engine (this one, or an HTTP request's): emits signals and keeps
+        the applied patches on disk."""
         if isinstance(event, EnginePatchesChanged):
+            if self._applied is not None:
+                self._applied.save(engine.model.checksum, engine.applied_patches)   # the newest list, whoever wins
             self.event.emit(engine_jobs.patches_changed(event))
         elif not (isinstance(event.origin, tuple) and event.origin[:1] == ("window",)):
             self.event.emit(EngineActivity(event.version))   # the window asks for a snapshot when it is free
@@ -262,11 +272,17 @@ class EngineWorker(QObject):
         engine = self._engine()
 
         def progress(message: str, fraction: float) -> None:
-            if self._shutdown.is_set():
+            if self._shutdown.is_set() or request.cancel.is_set():
                 raise LoadCancelled()
             self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
 
-        finished = engine_jobs.insert_fact(engine, request, progress)   # the engine's event lists the patches
+        try:
+            finished = engine_jobs.insert_fact(engine, request, progress)
+        except LoadCancelled:
+            if self._shutdown.is_set():
+                raise
+            self.event.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
+            return   # the engine's event lists the patches
         self._emit_stats()
         if request.probe.strip():
             self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
@@ -391,7 +407,8 @@ class EngineClient(QObject):
     _submit = Signal(object)
 
     def __init__(self, paths: AppPaths, threads: int = 2, loader: Callable[..., LoadedModel] = load_model,
-                 parent: QObject | None = None, l3: L3Store | None = None, serve: Callable | None = None):
+                 parent: QObject | None = None, l3: L3Store | None = None, serve: Callable | None = None,
+                 applied: AppliedPatchStore | None = None):
         super().__init__(parent)
         self.threads = threads
         self.model: ModelInfo | None = None
@@ -402,7 +419,7 @@ class EngineClient(QObject):
         self._thread.setObjectName("larql-engine")
         self.l3 = l3   # the persistent tier the worker attaches to every engine (closed by its opener)
         self.can_serve = serve is not None
-        self.worker = EngineWorker(paths, loader, l3, serve)
+        self.worker = EngineWorker(paths, loader, l3, serve, applied)
         self.worker.moveToThread(self._thread)
         self._submit.connect(self.worker.handle)
         self.worker.model_loaded.connect(self._on_model_loaded)
