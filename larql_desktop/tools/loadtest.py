@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from larql_desktop.api.server import is_loopback
+from larql_desktop.engine.services import is_loopback
 
 CHAT_PROMPTS = (
     "What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea.",

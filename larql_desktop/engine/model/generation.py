@@ -129,3 +129,19 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
         logits = model.forward([token], kv, ffn)[-1]
         history.append(token)
         seconds, ran = time.perf_counter() - started, 1
+
+
+def greedy(model: TransformerModel, ids: Sequence[int], ffn: FfnCall, kv: KvCache | None = None,
+           context_limit: int | None = None) -> Iterator[int]:
+    """Greedy tokens after the prompt `ids`, one at a time: the prompt runs on the first `next()`, every later
+    token costs one decode forward, run only when it is asked for (so `islice(greedy(...), n)` runs n - 1 decode
+    steps). Stops when the context is full. The one greedy loop of the project: bench, measure, INSERT and the
+    reference check all read from it."""
+    kv = kv if kv is not None else KvCache(model.config)
+    logits = model.forward(list(ids), kv, ffn)[-1]
+    while True:
+        token = int(np.argmax(logits))
+        yield token
+        if context_limit is not None and kv.length + 1 >= context_limit:
+            return
+        logits = model.forward([token], kv, ffn)[-1]
