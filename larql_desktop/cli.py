@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
+from larql_desktop import __version__
+from larql_desktop.engine import services
 from larql_desktop.engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS
 
 MODEL_HELP = f"{' | '.join(PACKAGED_MODELS)} | PATH to a llama or gemma3 GGUF (default {DEFAULT_MODEL})"
@@ -209,30 +210,23 @@ def cmd_insert(args) -> int:
     fact = Fact(args.entity, args.relation, args.target)
     model = _load(args, quiet_progress=True)
     engine = LarqlEngine(model, walk=_walk_settings(args))
-    ins = engine.inserter()
-    token = ins.target_token(fact.target)
-    before = engine.patches
-    p_before = ins.probability(args.probe, token, before)
-    probe_before = ins.continuation(args.probe, before, args.tokens)[0]
-    control_before = ins.continuation(args.control, before, args.tokens)[0]
+    token = engine.inserter().target_token(fact.target)
     print(f"model {model.name}, FFN {'dense' if engine.walk_settings.dense else 'walk'}; "
           f"target token {model.tokenizer.decode([token])!r}")
-    _show("probe before", args.probe + probe_before)
-    _show("control before", args.control + control_before)
     result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr)
-    after = engine.patches
     print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) at layer {result.layer}, feature "
           f"{result.feature}; canonical prompt {fact.canonical_prompt!r}")
-    p_after = ins.probability(args.probe, token, after)
-    probe_after = ins.continuation(args.probe, after, args.tokens)[0]
-    control_after = ins.continuation(args.control, after, args.tokens)[0]
-    _show("probe after", args.probe + probe_after)
-    _show("control after", args.control + control_after)
+    probe = services.probe(engine, args.probe, fact.target, args.tokens)
+    control = services.probe(engine, args.control, "", args.tokens)
+    _show("probe before", args.probe + probe.base_text)
+    _show("control before", args.control + control.base_text)
+    _show("probe after", args.probe + probe.patched_text)
+    _show("control after", args.control + control.patched_text)
     if args.save:
         result.patch.save(args.save)
         print(f"saved patch to {args.save}")
-    print(f"target p: {p_before:.4f} -> {p_after:.4f}; control unchanged: "
-          f"{'yes' if control_before == control_after else 'no'}")
+    print(f"target p: {probe.base_probability:.4f} -> {probe.patched_probability:.4f}; control unchanged: "
+          f"{'yes' if control.base_text == control.patched_text else 'no'}")
     return 0
 
 
@@ -247,18 +241,15 @@ def cmd_patch(args) -> int:
           + (f" — {patch.description}" if patch.description else ""))
     if args.action == "validate":
         return 0
-    ins = engine.inserter()
-    inserts = [op for op in patch.operations if op.op == "insert" and op.target]
-    before = engine.patches
-    probe_before = ins.continuation(args.probe, before, args.tokens)[0]
-    p_before = [ins.probability(args.probe, ins.target_token(op.target), before) for op in inserts]
-    after = engine.apply_patch(patch)
-    probe_after = ins.continuation(args.probe, after, args.tokens)[0]
-    _show("probe before", args.probe + probe_before)
-    _show("probe after", args.probe + probe_after)
-    for op, p0 in zip(inserts, p_before):
-        p1 = ins.probability(args.probe, ins.target_token(op.target), after)
-        print(f"target {op.target!r} (layer {op.layer}, feature {op.feature}) p: {p0:.4f} -> {p1:.4f}")
+    engine.apply_patch(patch)
+    outcome = services.probe(engine, args.probe, "", args.tokens)
+    _show("probe before", args.probe + outcome.base_text)
+    _show("probe after", args.probe + outcome.patched_text)
+    for op in patch.operations:
+        if op.op == "insert" and op.target:
+            p = services.probe(engine, args.probe, op.target, 1)
+            print(f"target {op.target!r} (layer {op.layer}, feature {op.feature}) p: "
+                  f"{p.base_probability:.4f} -> {p.patched_probability:.4f}")
     return 0
 
 
@@ -281,10 +272,10 @@ def cmd_serve(args) -> int:
     from larql_desktop.engine.core import LarqlEngine
     from larql_desktop.engine.cache.l3 import L3Settings, open_l3
     from larql_desktop.engine.paths import AppPaths
-    from larql_desktop.api.server import is_loopback, start_server
+    from larql_desktop.api.server import start_server
 
     token = args.token or os.environ.get("LARQL_DESKTOP_API_TOKEN") or None
-    if not is_loopback(args.host) and not token:
+    if not services.is_loopback(args.host) and not token:
         raise ValueError(f"--host {args.host} is not loopback: give a token (--token or LARQL_DESKTOP_API_TOKEN)")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be within 0..65535, not {args.port}")
@@ -329,11 +320,20 @@ def cmd_gui(args) -> int:
         raise OSError(problem)
     from larql_desktop.qt.app import run_app
 
-    return run_app(args)
+    return run_app(args, serve=serve_api)
+
+
+def serve_api(engine, host: str, port: int):
+    """How the app's HTTP API toggle serves an engine: given to the app here, so the Qt layer never imports the
+    web stack (FastAPI and uvicorn load only when the user turns serving on)."""
+    from larql_desktop.api.server import start_server
+
+    return start_server(engine, host, port)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="larql-desktop", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     parser.add_argument("--threads", type=int, default=2, help="threads for onnxruntime (default 2)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -440,10 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(selftest)
     selftest.set_defaults(func=cmd_self_test)
 
-    serve = sub.add_parser("serve", help="the local HTTP API (walk FFN, cache stats, patches) without the app")
+    serve = sub.add_parser("serve", help="the local HTTP API (walk FFN, cache stats, patches, and the "
+                                          "OpenAI-compatible /v1/chat/completions) without the app")
     common(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; others need a token)")
-    serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0 picks a free one)")
+    serve.add_argument("--host", default=services.DEFAULT_API_HOST, help="address to bind (default loopback; others need a token)")
+    serve.add_argument("--port", type=int, default=services.DEFAULT_API_PORT,
+                       help=f"port (default {services.DEFAULT_API_PORT}; 0 picks a free one)")
     serve.add_argument("--token", default=None,
                        help="bearer token every request must carry (default $LARQL_DESKTOP_API_TOKEN)")
     serve.add_argument("--top-k", type=int, default=None, help="default K (default 79%% of the FFN width)")

@@ -50,7 +50,7 @@ def test_removing_a_patch_restores_bit_identical_outputs(smollm2):
     engine.insert(Fact("Atlantis", "capital-of", "Poseidon"))
     patched = logits()
     assert not np.array_equal(clean, patched)
-    engine.remove_patch(0)
+    engine.remove_patch(engine.applied_patches[0].id)
     assert engine.applied_patches == () and engine.patches.overridden_layers == []
     assert np.array_equal(logits(), clean)
 
@@ -149,7 +149,7 @@ def test_patch_epochs_keep_states_apart_across_apply_remove_reapply(smollm2):
     result = engine.insert(Fact("Zorbania", "currency-of", "Glimmer"))
     patched_epoch = engine.patches.epoch
     layer_epoch = engine.patches.layer_epoch(result.layer)
-    engine.remove_patch(0)
+    engine.remove_patch(engine.applied_patches[0].id)
     assert engine.patches.epoch == clean_epoch != patched_epoch
     engine.apply_patch(result.patch)
     assert engine.patches.epoch == patched_epoch and engine.patches.layer_epoch(result.layer) == layer_epoch
@@ -185,7 +185,7 @@ def test_per_feature_hits_always_equal_fresh_computation(smollm2, seed):
     engine = LarqlEngine(smollm2, walk=WalkSettings(patch_mode="per_feature", verify_fraction=1.0))
     for _ in range(4):
         if engine.applied_patches and rng.random() < 0.35:
-            engine.remove_patch(int(rng.integers(len(engine.applied_patches))))
+            engine.remove_patch(engine.applied_patches[int(rng.integers(len(engine.applied_patches)))].id)
         else:
             engine.apply_patch(_random_patch(smollm2, rng))
         prompt = PROMPTS[int(rng.integers(len(PROMPTS)))]

@@ -11,6 +11,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import QObject, QSettings, Qt, Signal  # noqa: E402
 
+from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.reply_stats import COMPLETE, LENGTH, STOPPED  # noqa: E402
@@ -29,7 +30,7 @@ def settings_file(tmp_path):
 @pytest.fixture
 def window(qtbot, qapp, app_paths, settings_file):
     """A shown window with its own engine thread; closed and joined at the end whatever the test did."""
-    client = EngineClient(app_paths, threads=2)
+    client = EngineClient(app_paths, threads=2, serve=serve_api)   # as run_app wires it
     win = MainWindow(client, QSettings(str(settings_file), QSettings.IniFormat), qapp)
     win.show()
     win.activateWindow()   # shortcuts fire only in the active window
@@ -67,6 +68,7 @@ def test_window_opens_and_loads_the_default_model(window, qtbot):
     progress = []
     window.client.load_progress.connect(lambda message, fraction: progress.append(fraction))
     assert not window.send_action.isEnabled()          # nothing to talk to yet
+    assert not window.windowIcon().isNull()            # the packaged icon, read through importlib.resources
     with qtbot.waitSignal(window.client.model_loaded, timeout=LOAD_TIMEOUT) as loaded_signal:
         window.load_model(DEFAULT_MODEL)
         assert window.progress.isVisible()
@@ -209,7 +211,7 @@ def test_closing_mid_reply_joins_the_engine_thread(window, qtbot, settings_file)
 
 def test_theme_and_settings_are_remembered(qtbot, qapp, app_paths, settings_file):
     def make():
-        client = EngineClient(app_paths)
+        client = EngineClient(app_paths, serve=serve_api)
         win = MainWindow(client, QSettings(str(settings_file), QSettings.IniFormat), qapp)
         win.show()
         return win
@@ -277,7 +279,7 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
         if windows and (windows[0].client.model is not None or time.monotonic() > deadline):
             seen["model"] = windows[0].client.model.key if windows[0].client.model else None
             seen["client"] = windows[0].client
-            seen["l3"] = windows[0].client.engine.l3 if windows[0].client.engine else None
+            seen["l3"] = windows[0].client.worker.engine.l3 if windows[0].client.worker.engine else None
             seen["banner"] = windows[0].error_banner.text
             windows[0].quit_action.trigger()   # Ctrl+Q's action
         else:

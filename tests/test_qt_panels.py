@@ -15,8 +15,10 @@ from PySide6.QtCore import QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
-from larql_desktop.qt.protocol import InsertProgress  # noqa: E402
+from larql_desktop.engine.patches.applied import AppliedPatchStore  # noqa: E402
+from larql_desktop.qt.protocol import InsertCancelled, InsertProgress  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
+from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
 from larql_desktop.engine.patches.overlay import encode_vector  # noqa: E402
 from larql_desktop.qt.app import open_persistent_cache  # noqa: E402
@@ -172,7 +174,7 @@ def test_dense_mode_and_refused_settings(loaded, qtbot):
 
 def test_cache_settings_are_remembered(qtbot, qapp, app_paths, settings_file):  # noqa: F811
     def make():
-        win = MainWindow(EngineClient(app_paths), QSettings(str(settings_file), QSettings.IniFormat), qapp)
+        win = MainWindow(EngineClient(app_paths, serve=serve_api), QSettings(str(settings_file), QSettings.IniFormat), qapp)
         win.show()
         return win
 
@@ -249,7 +251,7 @@ def test_the_persistent_l3_is_attached_and_serves_a_repeated_prompt_after_a_rest
 
     win, store = start()
     try:
-        assert win.client.engine.l3 is store and win.monitor.l3_enabled.isEnabled()
+        assert win.client.worker.engine.l3 is store and win.monitor.l3_enabled.isEnabled()
         store.clear()   # other tests share this home's L3
         _, first = send(qtbot, win, PROMPT, max_tokens=10)
         n_layers = win.client.model.n_layers
@@ -350,7 +352,7 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
     url = win.server.url
     assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
     assert win.serve_box.isChecked() and url in win.server_label.text() and not win.server_port.isEnabled()
-    assert win.server.engine is win.client.engine
+    served_engine = win.client.worker.engine
 
     # The same prompt in two chats: the API reports the chats' shared L2.
     send(qtbot, win, PROMPT, max_tokens=8)
@@ -369,16 +371,16 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
         b = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
         assert (a["cache"], b["cache"], b["tier"]) == ("miss", "hit", "L2")
     wait_for_stats(qtbot, win, lambda e: True)
-    assert win.client.engine.snapshot().tiers["L2"].hits.sum() == l2_hits + 1
+    assert win.client.worker.engine.snapshot().tiers["L2"].hits.sum() == l2_hits + 1
 
     # API clients change the statistics and the patches while the window sits idle: it follows them.
-    idle_calls = win.client.engine.snapshot().calls
+    idle_calls = win.client.worker.engine.snapshot().calls
     with httpx.Client(base_url=url, timeout=30.0) as http:
         http.post("/v1/walk-ffn", json={"layer": 5, "residual": x})
         d = win.client.model.hidden
         vec = encode_vector(np.ones(d, np.float32))
-        doc = {"version": 1, "base_model": win.client.engine.model.name,
-               "base_checksum": win.client.engine.model.checksum, "description": "from the API",
+        doc = {"version": 1, "base_model": win.client.worker.engine.model.name,
+               "base_checksum": win.client.worker.engine.model.checksum, "description": "from the API",
                "operations": [{"op": "insert", "layer": 3, "feature": 7, "entity": "e", "relation": "r",
                                "target": "t", "gate": vec, "up": vec, "down": vec}]}
         assert http.post("/v1/patches", json=doc).status_code == 201
@@ -386,23 +388,26 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
     qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 1, timeout=10_000)
     assert win.patch_editor.patch_list.topLevelItem(0).text(1) == "3"
     with httpx.Client(base_url=url, timeout=30.0) as http:
-        assert http.delete("/v1/patches/0").status_code == 200
+        patch_id = http.get("/v1/patches").json()["patches"][0]["id"]
+        assert win.patch_editor.patches[0].id == patch_id
+        assert http.delete(f"/v1/patches/{patch_id}").status_code == 200
     qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 0, timeout=10_000)
 
     # Toggling off stops it.
     win.serve_box.setChecked(False)
     assert win.server.url is None and not win.serve_action.isChecked() and win.server_port.isEnabled()
-    assert _refused(url)
+    qtbot.waitUntil(lambda: _refused(url), timeout=10_000)   # the engine thread stops it
 
     # On again, then another model load: the server moves to the new engine.
     win.serve_box.setChecked(True)
     qtbot.waitUntil(lambda: win.server.url is not None, timeout=30_000)
-    old_engine = win.client.engine
+    old_url, old_engine = win.server.url, win.client.worker.engine
+    assert old_engine is served_engine
     with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
         win.load_model(DEFAULT_MODEL)
-    qtbot.waitUntil(lambda: win.server.url is not None and win.server.engine is win.client.engine,
-                    timeout=30_000)
-    assert win.client.engine is not old_engine
+    # Port 0: the new engine's server answers on a new port once the worker has moved it.
+    qtbot.waitUntil(lambda: win.server.url not in (None, old_url), timeout=30_000)
+    assert win.client.worker.engine is not old_engine and _refused(old_url)
     url = win.server.url
     assert httpx.get(f"{url}/v1/cache-stats").json()["calls"] == 0
 
@@ -410,3 +415,70 @@ def test_the_http_api_toggle_serves_the_chats_engine(loaded, qtbot):  # noqa: F8
     win.close()
     assert not win.client.is_running() and win.server.url is None
     assert _refused(url)
+
+
+def test_an_insert_can_be_cancelled_and_applies_nothing(loaded, qtbot):
+    editor = loaded.patch_editor
+    editor.entity.setText("Atlantis")
+    editor.relation.setText("capital-of")
+    editor.target.setText("Poseidon")
+    # Cancel at the first progress report: the INSERT stops at its next step.
+    loaded.client.event.connect(lambda e: editor.cancel_insert() if isinstance(e, InsertProgress) else None)
+    with qtbot.waitSignal(loaded.client.event, timeout=INSERT_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, InsertCancelled)):
+        qtbot.mouseClick(editor.insert_button, Qt.LeftButton)
+        assert editor.cancel_button.isVisible()
+    qtbot.waitUntil(lambda: not editor.busy, timeout=10_000)
+    assert editor.last_insert is None and "cancelled" in editor.progress_label.text()
+    assert not editor.cancel_button.isVisible() and editor.insert_button.isEnabled()
+    assert loaded.client.worker.engine.applied_patches == () and editor.patch_list.topLevelItemCount() == 0
+
+
+def test_applied_patches_come_back_when_the_app_starts_again(qtbot, qapp, app_paths, settings_file, tmp_path):  # noqa: F811
+    store = AppliedPatchStore(tmp_path / "patches")
+
+    def open_window():
+        win = MainWindow(EngineClient(app_paths, threads=2, applied=store),
+                         QSettings(str(settings_file), QSettings.IniFormat), qapp)
+        win.show()
+        with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
+            win.load_model(DEFAULT_MODEL)
+        return win
+
+    win = open_window()
+    try:
+        engine = win.client.worker.engine
+        d = engine.model.config.hidden
+        doc = {"version": 1, "base_model": engine.model.name, "base_checksum": engine.model.checksum,
+               "description": "kept between launches",
+               "operations": [{"op": "update", "layer": 2, "feature": 9,
+                               "down": encode_vector(np.full(d, 0.01, np.float32))}]}
+        path = tmp_path / "kept.json"
+        path.write_text(json.dumps(doc))
+        win.patch_editor.load_file(path)
+        qtbot.waitUntil(lambda: win.patch_editor.patch_list.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT)
+        patch_id = win.patch_editor.patches[0].id
+    finally:
+        win.close()
+    again = open_window()
+    try:
+        qtbot.waitUntil(lambda: again.patch_editor.patch_list.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT)
+        assert again.patch_editor.patches[0].id == patch_id and again.patch_editor.patches[0].name == "kept"
+        assert [p.id for p in again.client.worker.engine.applied_patches] == [patch_id]
+        checksum = again.client.worker.engine.model.checksum
+    finally:
+        again.close()
+    # A damaged list is set aside with a message; the app starts without it and keeps running.
+    store.path_for(checksum).write_text("{ not json")
+    third = MainWindow(EngineClient(app_paths, threads=2, applied=store),
+                       QSettings(str(settings_file), QSettings.IniFormat), qapp)
+    third.show()
+    try:
+        with qtbot.waitSignal(third.client.error, timeout=LOAD_TIMEOUT) as error:
+            third.load_model(DEFAULT_MODEL)
+        assert "could not be read" in error.args[0].message and "Restoring patches" == error.args[0].context
+        assert store.path_for(checksum).with_suffix(".corrupt").is_file()
+        qtbot.waitUntil(lambda: third.client.worker.engine is not None, timeout=LOAD_TIMEOUT)
+        assert third.client.worker.engine.applied_patches == ()
+    finally:
+        third.close()

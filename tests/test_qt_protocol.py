@@ -126,7 +126,8 @@ def _snapshot(n, l1=(0, 0), l2=(0, 0), calls=0, recent=(), patched=0):
 
 
 def _event(snapshot, engine_id=1, t=0.0, patched=()):
-    from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent
+    from larql_desktop.engine.core import CacheSettings
+    from larql_desktop.qt.protocol import CacheStatsEvent
 
     return CacheStatsEvent(engine_id, t, 1, snapshot, snapshot, patched, CacheSettings(), 3)
 

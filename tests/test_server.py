@@ -150,7 +150,7 @@ def test_malformed_requests_get_a_4xx_with_a_reason_and_change_nothing(served, s
             r = http.post("/v1/patches", json=doc)
             assert r.status_code == 422 and reason in r.json()["detail"], r.text
         assert http.delete("/v1/patches/0").status_code == 404
-        assert http.delete("/v1/patches/x").status_code == 422
+        assert "no applied patch" in http.delete("/v1/patches/x").json()["detail"]
         for doc, reason in (({"entity": "", "relation": "r", "target": "t"}, "entity"),
                             ({"entity": "e", "relation": "r", "target": "t", "layer": 99}, "out of range"),
                             ({"entity": "e", "relation": "r", "target": "t", "alpha": 0}, "alpha"),
@@ -198,8 +198,8 @@ def test_openapi_description_is_served_and_valid(served):
     _, handle = served
     doc = httpx.get(f"{handle.url}/openapi.json").json()
     validate(doc)
-    assert {"/v1/walk-ffn", "/v1/cache-stats", "/v1/patches", "/v1/patches/{index}", "/v1/insert"} <= set(doc["paths"])
-    assert set(doc["paths"]["/v1/patches"]) == {"get", "post"} and "delete" in doc["paths"]["/v1/patches/{index}"]
+    assert {"/v1/walk-ffn", "/v1/cache-stats", "/v1/patches", "/v1/patches/{patch_id}", "/v1/insert"} <= set(doc["paths"])
+    assert set(doc["paths"]["/v1/patches"]) == {"get", "post"} and "delete" in doc["paths"]["/v1/patches/{patch_id}"]
     request = doc["components"]["schemas"]["WalkFfnRequest"]
     assert set(request["properties"]) == {"layer", "residual", "top_k", "full_output"}
     assert set(request["required"]) == {"layer", "residual"}
@@ -226,7 +226,9 @@ def test_patch_routes_apply_list_and_remove(served, smollm2):
         assert patched["output"] != clean["output"]                 # the override applies
         other = http.post("/v1/walk-ffn", json={"layer": 5, "residual": x}).json()
         assert other["cache"] == "miss"                             # other layers keep their cache
-        r = http.delete("/v1/patches/0")
+        assert http.post("/v1/patches", json=doc).status_code == 409      # the same content twice: one id
+        assert http.delete("/v1/patches/0").status_code == 404            # by id, never by position
+        r = http.delete(f"/v1/patches/{listed['patches'][0]['id']}")
         assert r.status_code == 200 and r.json() == {"epoch": "clean", "patches": []}
         again = http.post("/v1/walk-ffn", json={"layer": 4, "residual": x}).json()
         assert again["cache"] == "hit" and again["output"] == clean["output"]

@@ -5,8 +5,9 @@ Routes (an OpenAPI description is served at /openapi.json):
   GET    /v1/cache-stats    the engine's statistics snapshot: per tier, per layer
   GET    /v1/model          what is loaded (sizes, default K, checksum)
   GET    /v1/patches        applied INSERT patches;  POST /v1/patches applies one (the body is the patch JSON)
-  DELETE /v1/patches/{i}    removes one;            POST /v1/insert installs a fact
+  DELETE /v1/patches/{id}   removes one by its id;  POST /v1/insert installs a fact
   GET    /v1/health
+  GET    /v1/models, POST /v1/chat/completions, POST /v1/completions: the OpenAI-compatible API (openai_compat.py)
 
 Security: the server binds to loopback unless a token is given, and with a token every request needs
 `Authorization: Bearer <token>`. On loopback the Host header must name loopback too (no DNS rebinding), POST
@@ -15,13 +16,14 @@ malformed request gets a 4xx with a reason in `detail` before anything is run or
 
 Concurrency: walk requests run in uvicorn's thread pool, each with its own WalkFfn (no L1) over the shared,
 locked L2 and the thread-safe L3 and statistics; onnxruntime sessions take concurrent runs. Patch changes are
-serialised by a lock and swap the engine's immutable overlay, so a walk in flight sees one overlay throughout.
+the engine's own atomic operations (shared with the app's worker), named by each patch's stable content id, and
+swap the engine's immutable overlay, so a walk in flight sees one overlay throughout.
+Completions (openai_compat.py) run as engine sessions, one forward pass per fair turn on threads of their own.
+Connections (connections.py): header, body and keep-alive timeouts and per-client caps, no 503 for everyone.
 """
 from __future__ import annotations
 
 import hmac
-import ipaddress
-import math
 import socket
 import threading
 import time
@@ -35,26 +37,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.api import openai_compat
+from larql_desktop.api.connections import ConnectionLimits, ConnectionRegistry, guarded_protocol
+from larql_desktop.engine import services
 from larql_desktop.engine.cache.walk import is_full_k
+from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied, UnknownPatch
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchError
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8765
+from larql_desktop.engine.services import (DEFAULT_API_HOST, DEFAULT_API_PORT, PatchSummary, finite_json,
+                                           is_loopback)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024       # patch files carry base64 vectors; a residual is a few tens of KB
 MAX_POSITIONS = 256
 API_VERSION = "1"
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------------- schemas
@@ -95,7 +89,7 @@ class InsertRequest(BaseModel):
 
 
 class PatchInfo(BaseModel):
-    index: int
+    id: str = Field(description="stable content hash: DELETE /v1/patches/{id} removes this patch")
     name: str
     description: str
     base_model: str
@@ -121,19 +115,8 @@ class Problem(BaseModel):
     detail: str
 
 
-ERRORS = {400: {"model": Problem}, 401: {"model": Problem}, 413: {"model": Problem}, 415: {"model": Problem},
-          422: {"model": Problem}}
-
-
-def _finite(value):
-    """JSON has no NaN: statistics that are undefined (no fidelity checks yet) become null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+ERRORS = {400: {"model": Problem}, 401: {"model": Problem}, 409: {"model": Problem}, 413: {"model": Problem},
+          415: {"model": Problem}, 422: {"model": Problem}}
 
 
 # ----------------------------------------------------------------------------------------------- guard
@@ -156,7 +139,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         problem = self._check(scope, headers)
         if problem is not None:
-            return await self._refuse(send, *problem)
+            return await self._refuse(send, *problem, path=scope["path"])
         received = 0
 
         async def capped_receive():
@@ -182,7 +165,7 @@ class Guard:
             await self.app(scope, capped_receive, tracking_send)
         except (_BodyTooLarge, HTTPException):
             if not started:
-                await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes")
+                await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes", path=scope["path"])
 
     def _check(self, scope, headers):
         if self.loopback_hosts:
@@ -208,8 +191,10 @@ class Guard:
         return None
 
     @staticmethod
-    async def _refuse(send, status, detail, extra=None):
-        body = JSONResponse({"detail": detail}).body
+    async def _refuse(send, status, detail, extra=None, path: str = ""):
+        # The OpenAI-compatible routes answer in the OpenAI error shape, whose clients read `error.message`.
+        doc = openai_compat.error_doc(status, detail) if openai_compat.is_openai_path(path) else {"detail": detail}
+        body = JSONResponse(doc).body
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -218,13 +203,17 @@ class Guard:
 
 # ----------------------------------------------------------------------------------------------- app
 def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               loopback_hosts: bool = True) -> FastAPI:
+               loopback_hosts: bool = True, generation_slots: int = 1,
+               max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS) -> FastAPI:
     cfg = engine.model.config
-    mutate = threading.Lock()
     app = FastAPI(title="larql-desktop local API", version=API_VERSION,
                   description="LARQL's walk FFN and its FFN activation cache over a model loaded in larql-desktop.")
     app.add_middleware(Guard, token=token, max_body=max_body, loopback_hosts=loopback_hosts)
     app.state.engine = engine
+    # One forward pass at a time by default: on a small machine one pass already uses every core, and the
+    # turns are handed out in arrival order, so concurrent completions interleave token by token.
+    app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
+                                                   max_completions))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -244,12 +233,14 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     def refuse(reason: str, status: int = 422):
         raise HTTPException(status_code=status, detail=reason)
 
-    def patch_list() -> PatchList:
-        overlay = engine.patches
-        return PatchList(epoch=overlay.epoch, patches=[
-            PatchInfo(index=i, name=p.name, description=p.description, base_model=p.base_model,
-                      created_at=p.created_at, operations=len(p.operations), layers=p.layers)
-            for i, p in enumerate(overlay.patches)])
+    def patch_list(summaries: tuple[PatchSummary, ...], epoch: str) -> PatchList:
+        return PatchList(epoch=epoch, patches=[
+            PatchInfo(id=s.id, name=s.name, description=s.description, base_model=s.base_model,
+                      created_at=s.created_at, operations=s.operations, layers=list(s.layers))
+            for s in summaries])
+
+    def changed(event) -> PatchList:
+        return patch_list(event.patches, event.epoch)
 
     @app.get("/v1/health")
     def health() -> dict:
@@ -265,11 +256,7 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
 
     @app.post("/v1/walk-ffn", response_model=WalkFfnResponse, responses=ERRORS)
     def walk_ffn(req: WalkFfnRequest) -> dict:
-        if not 0 <= req.layer < cfg.n_layers:
-            refuse(f"layer {req.layer} is out of range 0..{cfg.n_layers - 1}")
-        top_k = engine.walk_settings.resolved(cfg.intermediate).top_k if req.top_k is None else req.top_k
-        if not 1 <= top_k <= cfg.intermediate:
-            refuse(f"top_k {top_k} is out of range 1..{cfg.intermediate}")
+        # Layer and K are checked by services.walk_ffn; the shape is checked here to name the bad row.
         single = not req.residual or not isinstance(req.residual[0], list)
         rows = [req.residual] if single else req.residual
         if not rows or len(rows) > MAX_POSITIONS:
@@ -282,54 +269,48 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
             x = np.asarray(rows, dtype=np.float32)
         if not np.isfinite(x).all():
             refuse("residual contains NaN or infinity (or a value beyond float32)")
-        started = time.perf_counter()
-        walk = engine.request_walk(top_k)
-        if not req.full_output:
-            # The gate KNN as the walk sees it: under INSERT patches, with the overrides that hold their slots.
-            knn = walk.gate_knn(req.layer, x)
-            feats = [ids.tolist() for ids, _ in knn]
-            vals = [scores.tolist() for _, scores in knn]
-            return {"layer": req.layer, "top_k": top_k, "positions": len(rows), "cache": "none", "hit": False,
-                    "features": feats[0] if single else feats, "scores": vals[0] if single else vals,
-                    "seconds": time.perf_counter() - started}
-        out = walk(req.layer, x)
-        outcome = walk.last_outcome
-        output = out[0].tolist() if single else out.tolist()
-        return {"layer": req.layer, "top_k": top_k, "positions": len(rows), "cache": outcome,
-                "hit": outcome == "hit", "tier": walk.last_tier, "bypass_reason": walk.last_bypass,
-                "output": output, "seconds": time.perf_counter() - started}
+        try:
+            answer = services.walk_ffn(engine, req.layer, x, req.top_k, req.full_output)
+        except ValueError as exc:
+            refuse(str(exc))
+        doc = {"layer": answer.layer, "top_k": answer.top_k, "positions": answer.positions, "cache": answer.outcome,
+               "hit": answer.outcome == "hit", "seconds": answer.seconds}
+        if answer.output is not None:
+            doc.update(tier=answer.tier, bypass_reason=answer.bypass_reason,
+                       output=answer.output[0].tolist() if single else answer.output.tolist())
+        else:
+            feats = [ids.tolist() for ids in answer.features]
+            vals = [s.tolist() for s in answer.scores]
+            doc.update(features=feats[0] if single else feats, scores=vals[0] if single else vals)
+        return doc
 
     @app.get("/v1/cache-stats")
     def cache_stats() -> dict:
         doc = engine.snapshot().to_dict()
         doc["full_k"] = is_full_k(engine.walk_settings.resolved(cfg.intermediate).top_k, cfg.intermediate)
         doc["l3"] = engine.l3.status() if engine.l3 is not None else None
-        return _finite(doc)
+        return finite_json(doc)
 
     @app.get("/v1/patches", response_model=PatchList)
     def list_patches():
-        return patch_list()
+        overlay = engine.patches   # one read: the list and its epoch describe the same state
+        return patch_list(services.patch_summaries(overlay), overlay.epoch)
 
     @app.post("/v1/patches", response_model=PatchList, status_code=201, responses=ERRORS)
     def apply_patch(doc: dict[str, Any] = Body(description="a patch file's JSON (.vlp)")):
         try:
-            patch = engine.validate_patch(doc, source="patch")
+            return changed(engine.apply_patch(engine.validate_patch(doc, source="patch"), origin="api"))
+        except PatchAlreadyApplied as exc:
+            refuse(str(exc), 409)
         except PatchError as exc:
             refuse(str(exc))
-        with mutate:
-            try:
-                engine.apply_patch(patch)
-            except (PatchError, ValueError) as exc:
-                refuse(str(exc))
-        return patch_list()
 
-    @app.delete("/v1/patches/{index}", response_model=PatchList, responses={404: {"model": Problem}})
-    def remove_patch(index: int):
-        with mutate:
-            if not 0 <= index < len(engine.applied_patches):
-                refuse(f"no applied patch number {index}", 404)
-            engine.remove_patch(index)
-        return patch_list()
+    @app.delete("/v1/patches/{patch_id}", response_model=PatchList, responses={404: {"model": Problem}})
+    def remove_patch(patch_id: str):
+        try:
+            return changed(engine.remove_patch(patch_id, origin="api"))
+        except UnknownPatch as exc:
+            refuse(str(exc), 404)
 
     @app.post("/v1/insert", response_model=InsertResponse, responses=ERRORS)
     def insert(req: InsertRequest):
@@ -337,15 +318,12 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
             refuse(f"layer {req.layer} is out of range 0..{cfg.n_layers - 1}")
         try:
             fact = Fact(req.entity, req.relation, req.target)
+            result = engine.insert(fact, layer=req.layer, alpha=req.alpha, origin="api")
         except ValueError as exc:
             refuse(str(exc))
-        with mutate:
-            try:
-                result = engine.insert(fact, layer=req.layer, alpha=req.alpha)
-            except ValueError as exc:
-                refuse(str(exc))
+        overlay = engine.patches
         return InsertResponse(layer=result.layer, feature=result.feature, probability=result.probability,
-                              rounds=result.rounds, patches=patch_list())
+                              rounds=result.rounds, patches=patch_list(services.patch_summaries(overlay), overlay.epoch))
 
     return app
 
@@ -359,6 +337,7 @@ class ServerHandle:
     port: int
     server: Any
     thread: threading.Thread
+    connections: ConnectionRegistry | None = None   # open connections and what the limits closed
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
@@ -389,12 +368,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, token: str | None = None,
-                 *, max_body: int = DEFAULT_MAX_BODY, limit_concurrency: int = 64,
+def start_server(engine: LarqlEngine, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT, token: str | None = None,
+                 *, max_body: int = DEFAULT_MAX_BODY, limits: ConnectionLimits = ConnectionLimits(),
+                 generation_slots: int = 1, max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
                  startup_timeout: float = 15.0) -> ServerHandle:
     """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
 
-    A host other than loopback needs a token. Raises OSError when the address cannot be bound."""
+    A host other than loopback needs a token. Raises OSError when the address cannot be bound. `limits`: timeouts
+    and connection caps (api/connections.py) instead of uvicorn's limit_concurrency, which answered everyone with
+    503 once 64 idle connections were open."""
     import uvicorn
 
     if not is_loopback(host) and not token:
@@ -402,11 +384,14 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFA
                          "'Authorization: Bearer <token>'")
     if token is not None and len(token) < 16:
         raise ValueError("the token must be at least 16 characters")
-    app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host))
+    app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host),
+                     generation_slots=generation_slots, max_completions=max_completions)
+    registry = ConnectionRegistry(limits)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", http="h11",
-                            limit_concurrency=limit_concurrency, timeout_graceful_shutdown=3,
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            http=guarded_protocol(registry), timeout_keep_alive=limits.keep_alive,
+                            h11_max_incomplete_event_size=limits.max_header_bytes, timeout_graceful_shutdown=3,
                             server_header=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="larql-api", daemon=True)
@@ -419,4 +404,4 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_HOST, port: int = DEFA
             raise RuntimeError("the HTTP server did not start")
         time.sleep(0.01)
     url_host = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
-    return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread)
+    return ServerHandle(f"http://{url_host}:{bound}", host, bound, server, thread, registry)

@@ -1,26 +1,85 @@
-"""The engine one process runs: a loaded model, its shared L2 cache and statistics, and the chat sessions."""
+"""The engine one process runs: a loaded model, its shared L2 cache and statistics, the chat sessions, and the one
+place where patches and settings change.
+
+Every change (apply, remove, insert, configure, clear, reset) runs under the engine's own lock, whichever
+front-end calls it, and publishes a change event to subscribers afterwards. Front-ends never read-modify-write
+engine state themselves, so two of them changing patches at once cannot lose an update.
+"""
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from larql_desktop.engine.cache.walk import CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
-from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
 from larql_desktop.engine.cache.l3 import L3Settings, L3Store
-from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOverlay, load_patch_file, parse_patch
+from larql_desktop.engine.cache.walk import (CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings,
+                                             WalkFfn, WalkSettings)
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
+from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file, parse_patch
+from larql_desktop.engine.services import PatchSummary, patch_summaries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Everything a cache monitor controls: the walk FFN, the in-memory tiers (each validated by the engine)
+    and the persistent L3 (applied only when the engine has an L3 store: without one it stays off)."""
+    walk: WalkSettings = WalkSettings()
+    l1: TierSettings = TierSettings()
+    l2: TierSettings = TierSettings()
+    l3: L3Settings = L3Settings()
+
+
+# --- change events (published after the change, in the thread that made it) ------------------------------
+@dataclass(frozen=True)
+class PatchesChanged:
+    version: int                         # increases with every change of this engine: drop older ones
+    patches: tuple[PatchSummary, ...]
+    overridden_layers: tuple[int, ...]
+    epoch: str
+    origin: object = None                # what the caller passed as `origin` (e.g. a request id), for its answer
+
+
+@dataclass(frozen=True)
+class SettingsChanged:
+    version: int
+    settings: CacheSettings
+    origin: object = None
+
+
+@dataclass(frozen=True)
+class StatsAdvanced:
+    """Statistics moved (caches cleared, statistics reset, or a client's request ran): take a snapshot if you show them."""
+    version: int
+    origin: object = None
+
+
+EngineEvent = PatchesChanged | SettingsChanged | StatsAdvanced
+
+
+class UnknownPatch(PatchError):
+    """No applied patch has the given id (it may have been removed by another client): nothing changed."""
+
+
+class PatchAlreadyApplied(PatchError):
+    """A patch with the same content (the same id) is applied already: nothing changed."""
 
 
 class LarqlEngine:
     """Owns the process-wide L2 tier; each session gets its own L1 tier and stats, and all share L2.
 
-    An optional persistent L3 store (engine/l3.py) is consulted after L2 by every session and by the HTTP API;
-    the engine only uses it when given one (the app and `serve` open the default SQLite store in the user cache
-    dir), so library users and tests never write outside the directories they choose.
+    An optional persistent L3 store (engine/cache/l3.py) is consulted after L2 by every session and by the HTTP
+    API; the engine only uses it when given one (the app and `serve` open the default SQLite store in the user
+    cache dir), so library users and tests never write outside the directories they choose.
 
-    Settings are immutable values; changing them rebinds every session's walk FFN (caches are kept,
-    their keys carry K, key width and patch epoch so entries made under other settings are never served).
+    Settings and the patch overlay are immutable values swapped under the lock; a swap rebinds every session's
+    walk FFN (caches are kept: keys carry K and key width, and only feature sets no patch touches are ever looked
+    up, so entries made under other settings or patches are never served).
     """
 
     def __init__(self, model: LoadedModel, walk: WalkSettings = WalkSettings(),
@@ -37,8 +96,42 @@ class LarqlEngine:
         self.l3 = l3
         self.base_weights = BaseFeatureWeights(model.gguf)
         self.sessions: list[ChatSession] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._versions = itertools.count(1)
+        self._subscribers: list[Callable[[EngineEvent], None]] = []
 
+    # -- change events -------------------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]:
+        """Call `callback(event)` after every change, from the thread that made it; returns an unsubscribe.
+        Callbacks must be quick and thread-safe (e.g. emit a Qt signal); an exception in one is logged."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+        return unsubscribe
+
+    def _publish(self, event: EngineEvent) -> None:
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(event)
+            except Exception:   # noqa: BLE001 - one broken subscriber must not undo a change or starve the rest
+                log.exception("an engine event subscriber failed")
+
+    def _patches_event(self, origin) -> PatchesChanged:
+        overlay = self.patches
+        return PatchesChanged(next(self._versions), patch_summaries(overlay), tuple(overlay.overridden_layers),
+                              overlay.epoch, origin)
+
+    def note_activity(self, origin=None) -> None:
+        """A client's request moved the statistics (the HTTP API calls this after each request it runs)."""
+        self._publish(StatsAdvanced(next(self._versions), origin))
+
+    # -- walks and sessions --------------------------------------------------------------------------------
     def _walk_for(self, l1: CacheTier, stats: CacheStats) -> WalkFfn:
         return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, self.walk_settings,
                        l1, self.l2, (stats, self.stats), self.patches, l3=self.l3)
@@ -56,8 +149,8 @@ class LarqlEngine:
     def new_session(self) -> ChatSession:
         n = self.model.config.n_layers
         l1, stats = CacheTier("L1", n, self.l1_settings), CacheStats(n)
-        session = ChatSession(self.model, self._walk_for(l1, stats), l1=l1, stats=stats)
         with self._lock:
+            session = ChatSession(self.model, self._walk_for(l1, stats), l1=l1, stats=stats)
             self.sessions.append(session)
         return session
 
@@ -66,13 +159,20 @@ class LarqlEngine:
             if session in self.sessions:
                 self.sessions.remove(session)
 
+    # -- settings ------------------------------------------------------------------------------------------
+    @property
+    def settings(self) -> CacheSettings:
+        l3 = self.l3.settings if self.l3 is not None else replace(L3Settings(), enabled=False)
+        return CacheSettings(self.walk_settings, self.l1_settings, self.l2.settings, l3)
+
     def configure(self, walk: WalkSettings | None = None, l1: TierSettings | None = None,
-                  l2: TierSettings | None = None, l3: L3Settings | None = None) -> None:
+                  l2: TierSettings | None = None, l3: L3Settings | None = None, origin=None) -> SettingsChanged:
+        """Change settings atomically: every value is checked before any is applied (ValueError: nothing changed)."""
         if walk is not None:
             walk.resolved(self.model.config.intermediate)
-        if l3 is not None and l3.enabled and self.l3 is None:
-            raise ValueError("no L3 store is attached to the engine (attach_l3 first)")
         with self._lock:
+            if l3 is not None and l3.enabled and self.l3 is None:
+                raise ValueError("no L3 store is attached to the engine (attach_l3 first)")
             if l3 is not None and self.l3 is not None:
                 self.l3.configure(l3)
             if walk is not None:
@@ -84,22 +184,31 @@ class LarqlEngine:
             if l2 is not None:
                 self.l2.configure(l2)
             self._rebind()
+            event = SettingsChanged(next(self._versions), self.settings, origin)
+        self._publish(event)
+        return event
 
     def attach_l3(self, store: L3Store | None) -> None:
         """Use `store` as the persistent tier (None: no L3). The previous store is not closed."""
         with self._lock:
             self.l3 = store
             self._rebind()
-
-    def set_patches(self, patches: PatchOverlay) -> None:
-        with self._lock:
-            self.patches = patches
-            self._rebind()
+            event = SettingsChanged(next(self._versions), self.settings)
+        self._publish(event)
 
     # -- INSERT patches ------------------------------------------------------------------------------------
     @property
     def applied_patches(self) -> tuple[Patch, ...]:
         return self.patches.patches
+
+    def patch_summaries(self) -> tuple[PatchSummary, ...]:
+        return patch_summaries(self.patches)
+
+    def find_patch(self, patch_id: str) -> Patch:
+        for patch in self.applied_patches:
+            if patch.id == patch_id:
+                return patch
+        raise UnknownPatch(f"no applied patch has the id {patch_id!r}")
 
     def _model_shape(self) -> dict:
         cfg = self.model.config
@@ -113,21 +222,35 @@ class LarqlEngine:
     def validate_patch(self, doc: dict, source: str = "patch") -> Patch:
         return parse_patch(doc, source=source, **self._model_shape())
 
-    def apply_patch(self, patch: Patch) -> PatchOverlay:
-        if patch.base_checksum != self.model.checksum:
-            raise ValueError("the patch was made for another model")
-        overlay = PatchOverlay.build(self.applied_patches + (patch,), self.base_weights)
-        self.set_patches(overlay)
-        return overlay
+    def _swap_patches(self, change: Callable[[tuple[Patch, ...]], tuple[Patch, ...]], origin) -> PatchesChanged:
+        """Read the applied patches, build the new overlay and install it in one critical section: a change made
+        meanwhile by another front-end is never overwritten."""
+        with self._lock:
+            patches = change(self.applied_patches)
+            self.patches = PatchOverlay.build(patches, self.base_weights)
+            self._rebind()
+            event = self._patches_event(origin)
+        self._publish(event)
+        return event
 
-    def remove_patch(self, index: int) -> PatchOverlay:
-        patches = list(self.applied_patches)
-        if not 0 <= index < len(patches):
-            raise ValueError(f"no applied patch number {index}")
-        del patches[index]
-        overlay = PatchOverlay.build(patches, self.base_weights)
-        self.set_patches(overlay)
-        return overlay
+    def apply_patch(self, patch: Patch, origin=None) -> PatchesChanged:
+        if patch.base_checksum != self.model.checksum:
+            raise PatchError("the patch was made for another model")
+
+        def add(patches):
+            if any(p.id == patch.id for p in patches):
+                raise PatchAlreadyApplied(f"this patch (id {patch.id}) is already applied")
+            return patches + (patch,)
+        return self._swap_patches(add, origin)
+
+    def remove_patch(self, patch_id: str, origin=None) -> PatchesChanged:
+        """Remove the applied patch with this id (UnknownPatch if none has it: nothing changes)."""
+        def drop(patches):
+            kept = tuple(p for p in patches if p.id != patch_id)
+            if len(kept) == len(patches):
+                raise UnknownPatch(f"no applied patch has the id {patch_id!r}")
+            return kept
+        return self._swap_patches(drop, origin)
 
     def inserter(self) -> Inserter:
         """INSERT runs with the engine's FFN mode (walk or dense), without caches."""
@@ -135,27 +258,34 @@ class LarqlEngine:
         return Inserter(self.model, self.base_weights, WalkSettings(top_k=w.top_k, dense=w.dense))
 
     def insert(self, fact: Fact, layer: int | None = None, alpha: float = 0.1,
-               progress: Progress | None = None) -> InsertResult:
+               progress: Progress | None = None, origin=None) -> InsertResult:
+        """Compute the fact's patch against the current overlay (outside the lock: it takes seconds), then apply it
+        atomically on top of whatever is applied by then."""
         result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress)
-        self.apply_patch(result.patch)
+        self.apply_patch(result.patch, origin=origin)
         return result
 
     def _rebind(self) -> None:
         for s in self.sessions:
             s.ffn = self._walk_for(s.l1, s.stats)
 
-    def clear_caches(self, persistent: bool = False) -> None:
+    # -- caches and statistics -----------------------------------------------------------------------------
+    def clear_caches(self, persistent: bool = False, origin=None) -> None:
         """Empty L2 and every L1; with `persistent`, the L3 store too."""
-        self.l2.clear()
-        for s in list(self.sessions):
-            s.l1.clear()
-        if persistent and self.l3 is not None:
-            self.l3.clear()
+        with self._lock:
+            self.l2.clear()
+            for s in self.sessions:
+                s.l1.clear()
+            if persistent and self.l3 is not None:
+                self.l3.clear()
+        self.note_activity(origin)
 
-    def reset_stats(self) -> None:
-        self.stats.reset()
-        for s in list(self.sessions):
-            s.stats.reset()
+    def reset_stats(self, origin=None) -> None:
+        with self._lock:
+            self.stats.reset()
+            for s in self.sessions:
+                s.stats.reset()
+        self.note_activity(origin)
 
     def snapshot(self) -> StatsSnapshot:
         """Process-wide statistics: L1 summed over sessions, the shared L2, all bypasses and latencies."""

@@ -10,13 +10,16 @@ from PySide6.QtWidgets import QApplication
 
 from larql_desktop.engine.cache.l3 import L3Store, open_l3
 from larql_desktop.engine.paths import AppPaths
+from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.qt.main_window import MainWindow
+from larql_desktop.qt.qt_theme import app_icon
 from larql_desktop.qt.worker import EngineClient
 
 log = logging.getLogger(__name__)
 
 LOG_FILE = "larql-desktop.log"
 SETTINGS_FILE = "larql-desktop.ini"
+APPLIED_PATCHES_DIR = "patches"   # under AppPaths.data: each model's applied patches, restored on launch
 
 
 def configure_logging(paths: AppPaths, verbose: bool) -> logging.Handler:
@@ -71,16 +74,19 @@ def _log_uncaught(exc_type, exc, tb) -> None:
     sys.__excepthook__(exc_type, exc, tb)
 
 
-def run_app(args) -> int:
+def run_app(args, serve=None) -> int:
+    """`serve(engine, host, port)` starts the HTTP API on an engine (None: the app cannot serve)."""
     paths = AppPaths.from_environment().ensure()
     log_handler = configure_logging(paths, getattr(args, "verbose", False))
     previous_hook, sys.excepthook = sys.excepthook, _log_uncaught
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("larql-desktop")
     app.setOrganizationName("larql-desktop")
+    app.setWindowIcon(app_icon())
     settings = open_settings(paths)
     l3, warning = open_persistent_cache(paths)
-    client = EngineClient(paths, threads=args.threads, l3=l3)
+    client = EngineClient(paths, threads=args.threads, l3=l3, serve=serve,
+                          applied=AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
     window = MainWindow(client, settings, app)
     window.show()
     if warning:

@@ -13,26 +13,12 @@ import numpy as np
 
 from larql_desktop.engine.cache.walk import BYPASS_REASONS, OUTCOMES, TIERS, StatsSnapshot
 from larql_desktop.qt.protocol import CacheStatsEvent
-from larql_desktop.qt.reply_stats import CacheCounts
+# cache_counts is the engine's (the HTTP API counts per request with it too); imported from here by the worker.
+from larql_desktop.engine.completions import cache_counts  # noqa: F401
 
 
 def _total(a: np.ndarray) -> int:
     return int(np.asarray(a).sum())
-
-
-def cache_counts(before: StatsSnapshot | None, after: StatsSnapshot) -> CacheCounts:
-    """What happened between two snapshots of the same statistics (a reply's share of its chat's stats)."""
-    def delta(get) -> int:
-        return get(after) - (get(before) if before is not None else 0)
-
-    def tier(name: str, field: str):
-        return lambda s: _total(getattr(s.tiers[name], field)) if name in s.tiers else 0
-
-    tiers = tuple((name, delta(tier(name, "hits")), delta(tier(name, "misses"))) for name in after.tiers)
-    bypasses = tuple((reason, n) for reason in after.bypasses
-                     if (n := delta(lambda s, r=reason: _total(s.bypasses.get(r, 0)))) > 0)
-    dense = delta(lambda s: s.latency["dense"].count if "dense" in s.latency else 0)
-    return CacheCounts(tiers, bypasses, dense)
 
 
 def final_misses(snapshot: StatsSnapshot) -> np.ndarray:

@@ -6,25 +6,26 @@ import itertools
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Slot
+from PySide6.QtCore import QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout,
                                QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget, QToolButton,
                                QVBoxLayout, QWidget)
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
-from larql_desktop.qt.protocol import ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats, TokenEvent
+from larql_desktop.qt.protocol import (EngineActivity, ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats,
+                                       TokenEvent)
 from larql_desktop.qt.qt_cache_monitor import CacheMonitor
 from larql_desktop.qt.qt_chat_tab import ChatTab
 from larql_desktop.qt.qt_collapse_lab import CollapseLab
 from larql_desktop.qt.qt_patch_editor import PatchEditor
 from larql_desktop.qt.qt_sampling_panel import SamplingPanel
-from larql_desktop.qt.qt_theme import apply_theme
+from larql_desktop.qt.qt_theme import app_icon, apply_theme
 from larql_desktop.qt.reply_stats import format_load_progress, format_reply_stats
-from larql_desktop.qt.server_control import DEFAULT_PORT, HOST, ServerController
+from larql_desktop.engine.services import DEFAULT_API_HOST, DEFAULT_API_PORT
+from larql_desktop.qt.server_control import ServerController
 from larql_desktop.qt.worker import EngineClient
 
-API_POLL_MS = 1000
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class MainWindow(QMainWindow):
         self._session_ids = itertools.count(1)
         self._closed = False
         self.setWindowTitle("larql-desktop")
+        self.setWindowIcon(app_icon())
         self.setObjectName("mainWindow")
 
         self._build_actions()
@@ -95,15 +97,13 @@ class MainWindow(QMainWindow):
         self._build_model_picker()
         self._build_central()
         self._build_status_bar()
-        self.server = ServerController(parent=self)
+        self.server = ServerController(client, parent=self)
         self.server.changed.connect(self._on_server_changed)
         self.serve_action.toggled.connect(self._on_serve_toggled)
-        # While the HTTP API serves, its clients change the statistics and the patches without the window
-        # asking: poll once a second so the monitor and the patch list follow (a reply reports as it runs).
-        self._api_poll = QTimer(self)
-        self._api_poll.setInterval(API_POLL_MS)
-        self._api_poll.timeout.connect(self._poll_for_api_changes)
-        self._poll_outstanding = False
+        # HTTP clients move the statistics while the window sits idle: the worker forwards the engine's events
+        # and the window asks for one snapshot at a time (patch changes arrive as events of their own).
+        self._stats_outstanding = False
+        client.event.connect(self._on_engine_activity)
         client.stats.connect(self._on_stats_arrived)
 
         client.model_loaded.connect(self._on_model_loaded)
@@ -144,7 +144,7 @@ class MainWindow(QMainWindow):
         self.dark_theme_action = self._action("&Dark theme", self.set_dark_theme)
         self.dark_theme_action.setCheckable(True)
         # Connected to _on_serve_toggled once the controller exists (restoring the setting may check it).
-        self.serve_action = self._action(f"Serve HTTP &API on {HOST}", lambda: None,
+        self.serve_action = self._action(f"Serve HTTP &API on {DEFAULT_API_HOST}", lambda: None,
                                          tip="Serve the loaded model's walk FFN, cache statistics and patches "
                                              "over HTTP (the same L2 cache as the chats)")
         self.serve_action.setCheckable(True)
@@ -215,13 +215,13 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.progress)
         self.statusBar().addPermanentWidget(self.model_label)
         # The HTTP API toggle (the same state as Server > Serve HTTP API), its port and where it answers.
-        self.serve_box = QCheckBox(f"Serve HTTP API on {HOST}")
+        self.serve_box = QCheckBox(f"Serve HTTP API on {DEFAULT_API_HOST}")
         self.serve_box.setAccessibleName("Serve HTTP API")
         self.serve_box.setToolTip(self.serve_action.toolTip())
         self.serve_box.toggled.connect(self.serve_action.setChecked)
         self.serve_action.toggled.connect(self.serve_box.setChecked)
         self.server_port = QSpinBox(minimum=0, maximum=65535)
-        self.server_port.setValue(DEFAULT_PORT)
+        self.server_port.setValue(DEFAULT_API_PORT)
         self.server_port.setSpecialValueText("any port")
         self.server_port.setPrefix("port ")
         self.server_port.setAccessibleName("HTTP API port")
@@ -381,9 +381,6 @@ class MainWindow(QMainWindow):
         if tab is not None:
             tab.input.setFocus()
         self._on_current_chat_changed()
-        if self.serve_action.isChecked():
-            # The old engine (and its sessions) is gone: serve the new one, with the same port.
-            self.server.start(self.client.engine, self.server_port.value())
 
     @Slot(str, float)
     def _on_load_progress(self, message: str, fraction: float) -> None:
@@ -437,30 +434,26 @@ class MainWindow(QMainWindow):
 
     @Slot(bool)
     def _on_serve_toggled(self, on: bool) -> None:
-        if on and self.client.engine is not None and self.client.model is not None:
-            self.server.start(self.client.engine, self.server_port.value())
+        if on and not (self.server.running or self.server.starting):
+            self.server.start(self.server_port.value())   # the worker serves once a model is loaded
         elif not on and (self.server.running or self.server.starting):
             self.server.stop()
             self.statusBar().showMessage("HTTP API stopped", 10_000)
         self._on_server_changed()
 
-    @Slot()
-    def _poll_for_api_changes(self) -> None:
-        if not self._poll_outstanding and self.client.ready:
-            self._poll_outstanding = True
+    @Slot(object)
+    def _on_engine_activity(self, event) -> None:
+        if isinstance(event, EngineActivity) and not self._stats_outstanding and self.client.ready:
+            self._stats_outstanding = True
             self._on_current_chat_changed()
 
     @Slot(object)
     def _on_stats_arrived(self, _event) -> None:
-        self._poll_outstanding = False
+        self._stats_outstanding = False
 
     @Slot()
     def _on_server_changed(self) -> None:
         server = self.server
-        if server.url:
-            self._api_poll.start()
-        else:
-            self._api_poll.stop()
         self.server_port.setEnabled(not (server.running or server.starting))
         if server.url:
             self.server_label.setText(f"<a href='{server.url}/docs'>{server.url}</a>")
@@ -473,8 +466,8 @@ class MainWindow(QMainWindow):
             port = self.server_port.value()
             self.server_label.setText("")
             self.serve_action.setChecked(False)
-            self.show_error(f"HTTP API: could not serve on {HOST}:{port or 'any port'}: {server.error}")
-        elif self.serve_action.isChecked():
+            self.show_error(f"HTTP API: could not serve on {DEFAULT_API_HOST}:{port or 'any port'}: {server.error}")
+        elif self.serve_action.isChecked() and self.client.model is None:
             self.server_label.setText("waits for a model")
         else:
             self.server_label.setText("")
@@ -538,10 +531,10 @@ class MainWindow(QMainWindow):
         self.monitor.restore(s)
         self.patch_editor.restore(s)
         try:
-            port = int(s.value("server/port", DEFAULT_PORT))
+            port = int(s.value("server/port", DEFAULT_API_PORT))
         except (TypeError, ValueError):
-            port = DEFAULT_PORT
-        self.server_port.setValue(port if 0 <= port <= 65535 else DEFAULT_PORT)
+            port = DEFAULT_API_PORT
+        self.server_port.setValue(port if 0 <= port <= 65535 else DEFAULT_API_PORT)
         # Serving resumes on launch (once the model has loaded) only if it was on when the app last closed.
         self.serve_action.setChecked(str(s.value("server/enabled", "false")).lower() == "true")
 

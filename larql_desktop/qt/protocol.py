@@ -10,9 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from larql_desktop.engine.cache.walk import StatsSnapshot, TierSettings, WalkSettings
+from larql_desktop.engine.cache.walk import StatsSnapshot
+from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep
-from larql_desktop.engine.cache.l3 import L3Settings
+from larql_desktop.engine.services import PatchSummary
 from larql_desktop.qt.reply_stats import ReplyStats
 
 
@@ -52,16 +53,6 @@ class CloseSession:
 
 
 @dataclass(frozen=True)
-class CacheSettings:
-    """Everything the cache monitor controls: the walk FFN, the in-memory tiers (each validated by the engine)
-    and the persistent L3 (applied only when the app has an L3 store: without one it stays off)."""
-    walk: WalkSettings = WalkSettings()
-    l1: TierSettings = TierSettings()
-    l2: TierSettings = TierSettings()
-    l3: L3Settings = L3Settings()
-
-
-@dataclass(frozen=True)
 class ConfigureCache:
     request_id: int
     settings: CacheSettings
@@ -94,6 +85,7 @@ class InsertFact:
     layer: int | None         # None: the engine picks (LARQL's default layer, then its neighbours)
     alpha: float
     probe: str                # a prompt to compare before/after once the fact is in ("" for none)
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -112,14 +104,26 @@ class LoadPatchFile:
 @dataclass(frozen=True)
 class SavePatch:
     request_id: int
-    index: int
+    patch_id: str             # PatchSummary.id: patches are named by content, never by list position
     path: Path
 
 
 @dataclass(frozen=True)
 class RemovePatch:
     request_id: int
-    index: int
+    patch_id: str
+
+
+@dataclass(frozen=True)
+class StartServer:
+    """Serve the loaded model's engine over HTTP on loopback (0: any free port); follows model changes."""
+    request_id: int
+    port: int
+
+
+@dataclass(frozen=True)
+class StopServer:
+    request_id: int
 
 
 # --- snapshots (worker -> GUI) ---
@@ -200,18 +204,27 @@ class CacheStatsEvent:
 
 
 @dataclass(frozen=True)
-class PatchInfo:
-    description: str
-    name: str                 # the file stem it was loaded from ("" for an INSERT made here)
-    layers: tuple[int, ...]
-    features: tuple[tuple[int, int], ...]   # (layer, feature)
+class PatchesChanged:
+    """The applied patches after a change by anyone (this window or an HTTP client); `request_id` is the window's
+    request that made it, 0 for changes made elsewhere."""
+    request_id: int
+    patches: tuple[PatchSummary, ...]
+    patched_layers: tuple[int, ...]
+    version: int              # the engine's change counter: an older event never replaces a newer one
 
 
 @dataclass(frozen=True)
-class PatchesChanged:
+class EngineActivity:
+    """Something outside the window (an HTTP client) moved the engine's statistics."""
+    version: int
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Where the HTTP API answers (None: not serving) and why it does not, if it failed to start."""
     request_id: int
-    patches: tuple[PatchInfo, ...]
-    patched_layers: tuple[int, ...]
+    url: str | None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,6 +232,12 @@ class InsertProgress:
     request_id: int
     message: str
     fraction: float
+
+
+@dataclass(frozen=True)
+class InsertCancelled:
+    """The user stopped an INSERT: nothing was applied."""
+    request_id: int
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES, de
 from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings, default_top_k
 from larql_desktop.engine.cache.l3 import L3Settings
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
+from larql_desktop.engine.core import CacheSettings
+from larql_desktop.qt.protocol import CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
 from larql_desktop.qt.qt_frontier import FrontierView
-from larql_desktop.qt.protocol import CacheSettings, CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
 from larql_desktop.qt.worker import EngineClient
 
 REFRESH_HZ = 20

@@ -8,14 +8,15 @@ from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, Q
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
                                QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.qt.protocol import (ErrorReport, InsertFact, InsertFinished, InsertProgress, LoadPatchFile, ModelInfo,
-                       PatchesChanged, PatchSaved, ProbePrompt, ProbeResult, RemovePatch, SavePatch)
+from larql_desktop.qt.protocol import (ErrorReport, InsertCancelled, InsertFact, InsertFinished, InsertProgress,
+                                       LoadPatchFile, ModelInfo, PatchesChanged, PatchSaved, ProbePrompt, ProbeResult,
+                                       RemovePatch, SavePatch)
 from larql_desktop.qt.worker import EngineClient
 
 _AUTO_LAYER = -1
 _FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, LoadPatchFile: PatchesChanged,
                  RemovePatch: PatchesChanged, SavePatch: PatchSaved}
-_PATCH_CONTEXTS = ("INSERT", "Probe", "Loading patch file", "Saving patch", "Removing patch")
+_PATCH_CONTEXTS = ("INSERT", "Probe", "Loading patch file", "Saving patch", "Removing patch", "Restoring patches")
 _PATCH_FILTER = "LARQL patches (*.json *.vlp);;All files (*)"
 
 
@@ -29,7 +30,8 @@ class PatchEditor(QWidget):
     def __init__(self, client: EngineClient, parent: QWidget | None = None):
         super().__init__(parent)
         self.client = client
-        self.patches: tuple = ()
+        self.patches: tuple = ()   # PatchSummary of each row of the list
+        self._patches_version = 0
         self.last_probe: ProbeResult | None = None
         self.last_insert: InsertFinished | None = None
         self._pending: dict[int, type] = {}   # this panel's requests still in the worker, by id
@@ -84,6 +86,12 @@ class PatchEditor(QWidget):
         self.insert_button.setToolTip("Runs for a few seconds in the engine thread (Ctrl+I)")
         self.insert_button.setShortcut("Ctrl+I")
         self.insert_button.clicked.connect(self.insert)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setAccessibleName("Cancel INSERT")
+        self.cancel_button.setToolTip("Stop the INSERT at its next step; nothing is applied")
+        self.cancel_button.clicked.connect(self.cancel_insert)
+        self.cancel_button.hide()
+        self._insert_request: InsertFact | None = None
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
         self.progress.setAccessibleName("INSERT progress")
@@ -103,6 +111,7 @@ class PatchEditor(QWidget):
         row.addWidget(self.alpha)
         row.addStretch(1)
         row.addWidget(self.insert_button)
+        row.addWidget(self.cancel_button)
         form.addRow(row)
         form.addRow(self.progress)
         form.addRow(self.progress_label)
@@ -180,9 +189,18 @@ class PatchEditor(QWidget):
         self.progress.show()
         self.progress_label.setText("Starting INSERT…")
         self.last_insert = None
-        return self._submit(InsertFact(self.client.next_request_id(), self.entity.text(), self.relation.text(),
-                                       self.target.text(), None if layer == _AUTO_LAYER else layer,
-                                       self.alpha.value(), self.probe_prompt.text()))
+        self._insert_request = InsertFact(self.client.next_request_id(), self.entity.text(), self.relation.text(),
+                                          self.target.text(), None if layer == _AUTO_LAYER else layer,
+                                          self.alpha.value(), self.probe_prompt.text())
+        self.cancel_button.show()
+        return self._submit(self._insert_request)
+
+    @Slot()
+    def cancel_insert(self) -> None:
+        """Ask the running INSERT to stop at its next step (the worker answers InsertCancelled)."""
+        if self._insert_request is not None:
+            self._insert_request.cancel.set()
+            self.progress_label.setText("Cancelling INSERT…")
 
     @Slot()
     def probe(self) -> int | None:
@@ -194,10 +212,11 @@ class PatchEditor(QWidget):
         return self._submit(LoadPatchFile(self.client.next_request_id(), Path(path)))
 
     def save_patch(self, index: int, path: str | Path) -> int:
-        return self._submit(SavePatch(self.client.next_request_id(), index, Path(path)))
+        """Save the patch shown in row `index` (requests name it by id: the list may change meanwhile)."""
+        return self._submit(SavePatch(self.client.next_request_id(), self.patches[index].id, Path(path)))
 
     def remove_patch(self, index: int) -> int:
-        return self._submit(RemovePatch(self.client.next_request_id(), index))
+        return self._submit(RemovePatch(self.client.next_request_id(), self.patches[index].id))
 
     @property
     def busy(self) -> bool:
@@ -242,8 +261,14 @@ class PatchEditor(QWidget):
             return
         if isinstance(event, PatchesChanged):
             self._show_patches(event)
+        elif isinstance(event, InsertCancelled):
+            self.progress.hide()
+            self.progress_label.setText("INSERT cancelled: nothing was applied.")
+            self._pending.pop(event.request_id, None)
+            self._insert_finished(event.request_id)
         elif isinstance(event, InsertFinished):
             self.last_insert = event
+            self._insert_finished(event.request_id)
             self.progress.hide()
             self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
                                         f"P(target) = {event.probability:.3f} on the fact's own prompt.")
@@ -258,9 +283,15 @@ class PatchEditor(QWidget):
             del self._pending[event.request_id]
         self._update_enabled()
 
+    def _insert_finished(self, request_id: int) -> None:
+        if self._insert_request is not None and self._insert_request.request_id == request_id:
+            self._insert_request = None
+            self.cancel_button.hide()
+
     @Slot(object)
     def _on_error(self, report: ErrorReport) -> None:
         if report.request_id in self._pending or report.context in _PATCH_CONTEXTS:
+            self._insert_finished(report.request_id)
             self._pending.pop(report.request_id, None)
             self.progress.hide()
             self.progress_label.setText("")
@@ -275,6 +306,11 @@ class PatchEditor(QWidget):
         self._update_enabled()
 
     def _show_patches(self, event: PatchesChanged) -> None:
+        # Events from HTTP clients and from this window may arrive out of order: never show an older state.
+        # Version 0 is the full list sent after a model load, whose engine counts afresh.
+        if event.version and event.version < self._patches_version:
+            return
+        self._patches_version = event.version
         self.patches = event.patches
         self.patch_list.clear()
         for patch in event.patches:

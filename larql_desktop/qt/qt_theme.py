@@ -1,7 +1,10 @@
-"""Dark and light Fusion palettes. Headless Qt cannot see the system colour scheme, so the app picks one."""
+"""The app's look: dark and light Fusion palettes (headless Qt cannot see the system colour scheme, so the app
+picks one) and its icon."""
 from __future__ import annotations
 
-from PySide6.QtGui import QColor, QPalette
+from importlib import resources
+
+from PySide6.QtGui import QColor, QIcon, QPalette, QPixmap
 from PySide6.QtWidgets import QApplication
 
 _DARK = {
@@ -33,3 +36,11 @@ def fusion_palette(dark: bool) -> QPalette:
 def apply_theme(app: QApplication, dark: bool) -> None:
     app.setStyle("Fusion")
     app.setPalette(fusion_palette(dark))
+
+
+def app_icon() -> QIcon:
+    """The application icon, read from the package's own resources (a wheel and the desktop build carry it)."""
+    data = resources.files("larql_desktop").joinpath("resources", "larql-desktop.png").read_bytes()
+    pixmap = QPixmap()
+    pixmap.loadFromData(data, "PNG")
+    return QIcon(pixmap)

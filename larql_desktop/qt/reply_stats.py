@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from larql_desktop.engine.completions import CacheCounts  # noqa: F401  (re-exported: the reply stats carry it)
 from larql_desktop.engine.model.generation import TokenStep
 
 # Why a reply ended.
@@ -11,22 +12,6 @@ COMPLETE = "complete"   # the model produced a stop token
 LENGTH = "length"       # max tokens or the context limit
 STOPPED = "stopped"     # the user pressed Stop (or the app closed)
 FAILED = "error"        # an exception ended it
-
-
-@dataclass(frozen=True)
-class CacheCounts:
-    """What the FFN cache did during one reply (differences of the chat's statistics before and after)."""
-    tiers: tuple[tuple[str, int, int], ...] = ()   # (tier, hits, misses) in lookup order: L1, L2, …
-    bypasses: tuple[tuple[str, int], ...] = ()     # (reason, calls), reasons with calls only
-    dense_calls: int = 0
-
-    def tier(self, name: str) -> tuple[int, int]:
-        """(hits, misses) of one tier; (0, 0) if it is not listed."""
-        return next(((h, m) for n, h, m in self.tiers if n == name), (0, 0))
-
-    @property
-    def bypass_total(self) -> int:
-        return sum(n for _, n in self.bypasses)
 
 
 @dataclass(frozen=True)

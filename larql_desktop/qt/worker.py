@@ -9,7 +9,10 @@ generator itself), so stopping is a `threading.Event` carried by the request and
 tokens, and queued requests simply wait their turn (an INSERT likewise).
 
 Each loaded model gets one `LarqlEngine` (shared L2 cache, process-wide statistics); each chat is one of its
-sessions. The persistent L3 store, if the app opened one, is given to the worker and attached to every engine it
+sessions. The worker subscribes to the engine's change events, so patches applied by an HTTP client reach the
+window the moment they are made, from whichever thread made them (a signal emitted there is queued to the GUI).
+The HTTP API itself is started and stopped here, on the engine the worker owns (`serve` is given by main()), so
+the GUI thread never holds the engine. The persistent L3 store, if the app opened one, is given to the worker and attached to every engine it
 builds (the worker never closes it: whoever opened it does, after the thread has ended). While a reply streams, the worker emits a stats snapshot at most every STATS_INTERVAL seconds and
 once at its end; the monitor redraws on its own timer, never per token.
 """
@@ -33,9 +36,14 @@ from larql_desktop.engine.loading import LoadedModel, load_model
 from larql_desktop.engine.model.chat import ChatSession
 from larql_desktop.qt import engine_jobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
-from larql_desktop.qt.protocol import (CacheSettings, ClearCaches, CloseSession, ConfigureCache, ErrorReport, InsertFact,
-                       InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt, Regenerate, RemovePatch,
-                       ReplyFinished, ReplyStarted, RequestStats, ResetStats, SavePatch, SendPrompt, TokenEvent)
+from larql_desktop.engine.core import CacheSettings
+from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
+from larql_desktop.engine.patches.applied import AppliedPatchStore
+from larql_desktop.engine.services import DEFAULT_API_HOST
+from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
+                                       InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
+                                       Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
+                                       SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
 from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
 
 log = logging.getLogger(__name__)
@@ -68,11 +76,17 @@ class EngineWorker(QObject):
     stats = Signal(object)               # CacheStatsEvent
     event = Signal(object)               # any other frozen snapshot (patches, INSERT progress, probes…)
 
-    def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None):
+    def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None,
+                 serve: Callable | None = None, applied: AppliedPatchStore | None = None):
         super().__init__()
+        self._applied = applied                  # where each model's applied patches are kept between launches
         self._paths = paths
         self.l3 = l3
         self._loader = loader
+        self._serve = serve                      # serve(engine, host, port) -> handle with .url and .stop()
+        self._server = None                      # the running server's handle
+        self._server_port: int | None = None     # the port the user wants served (None: not serving)
+        self._unsubscribe: Callable[[], None] | None = None
         self._shutdown = threading.Event()
         self.model: LoadedModel | None = None
         self.engine: LarqlEngine | None = None
@@ -81,7 +95,6 @@ class EngineWorker(QObject):
         self._engine_ids = itertools.count(1)
         self._engine_id = 0
         self._active_session: int | None = None
-        self._patches_shown = None   # the patch overlay the window was last told about
         self._handlers: dict[type, Callable[[object], None]] = {
             LoadModel: self._load_model,
             SendPrompt: self._send_prompt,
@@ -93,9 +106,11 @@ class EngineWorker(QObject):
             RequestStats: self._request_stats,
             InsertFact: self._insert_fact,
             ProbePrompt: self._probe,
-            LoadPatchFile: lambda r: self._change_patches(engine_jobs.load_patch_file, r),
-            RemovePatch: lambda r: self._change_patches(engine_jobs.remove_patch, r),
+            LoadPatchFile: self._load_patch_file,
+            RemovePatch: self._remove_patch,
             SavePatch: lambda r: self.event.emit(engine_jobs.save_patch(self._engine(), r)),
+            StartServer: self._start_server,
+            StopServer: self._stop_server,
         }
 
     def register_handler(self, request_type: type, handler: Callable[[object], None]) -> None:
@@ -109,7 +124,11 @@ class EngineWorker(QObject):
         self._shutdown.set()
 
     def release(self) -> None:
-        """Drop the engine objects. Call only once the thread has finished."""
+        """Stop serving and drop the engine objects. Call only once the thread has finished."""
+        self._stop_serving()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         self.sessions.clear()
         self.engine = None
         self.model = None
@@ -158,14 +177,24 @@ class EngineWorker(QObject):
             self.cache_settings = replace(CacheSettings(), l3=c.l3)
             engine = LarqlEngine(model, l3=self.l3)
         # Only a successful load replaces the old model; the sessions (and patches) belonged to the old one.
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        restored, problems = self._applied.load(engine) if self._applied is not None else ([], [])
+        for patch in restored:
+            engine.apply_patch(patch)
+        self._unsubscribe = engine.subscribe(lambda event: self._on_engine_event(engine, event))
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
         self.sessions.clear()
         self._active_session = None
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
         self.model_loaded.emit(model_info(request.request_id, model))
-        self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, request.request_id))
+        self.event.emit(engine_jobs.current_patches(engine, request.request_id))
+        for problem in problems:
+            self.error.emit(ErrorReport(None, None, "Restoring patches", problem))
         self._emit_stats()
+        if self._server_port is not None:   # the old engine is gone: serve the new one on the same port
+            self._serve_now(0)
 
     def _engine(self) -> LarqlEngine:
         if self.engine is None:
@@ -179,17 +208,18 @@ class EngineWorker(QObject):
             session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
         return session
 
-    def _emit_patches(self, make_event: Callable[[LarqlEngine], object]) -> None:
-        """Emit the PatchesChanged answer make_event(engine) makes, remembering which patches the window saw."""
-        engine = self._engine()
-        event = make_event(engine)
-        self._patches_shown = engine.patches
-        self.event.emit(event)
+    def _on_engine_event(self, engine: LarqlEngine, event) -> None:
+        """Runs in whichever thread changed the engine (this one, or an HTTP request's): emits signals and keeps
+        the applied patches on disk."""
+        if isinstance(event, EnginePatchesChanged):
+            if self._applied is not None:
+                self._applied.save(engine.model.checksum, engine.applied_patches)   # the newest list, whoever wins
+            self.event.emit(engine_jobs.patches_changed(event))
+        elif not (isinstance(event.origin, tuple) and event.origin[:1] == ("window",)):
+            self.event.emit(EngineActivity(event.version))   # the window asks for a snapshot when it is free
 
     def _emit_stats(self) -> None:
         if self.engine is not None:
-            if self.engine.patches is not self._patches_shown:    # changed elsewhere: by the HTTP API
-                self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, 0))
             session_id = self._active_session
             self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
                                                     self.sessions.get(session_id)))
@@ -216,8 +246,8 @@ class EngineWorker(QObject):
         c = request.settings
         if self.engine is not None:
             # Without an L3 store the L3 settings have nothing to apply to (the monitor shows L3 unavailable).
-            self.engine.configure(walk=c.walk, l1=c.l1, l2=c.l2,
-                                  l3=c.l3 if self.engine.l3 is not None else None)   # ValueError: nothing changes
+            self.engine.configure(walk=c.walk, l1=c.l1, l2=c.l2, l3=c.l3 if self.engine.l3 is not None else None,
+                                  origin=("window", request.request_id))   # ValueError: nothing changes
         elif self.l3 is not None:
             self.l3.configure(c.l3)
         self.cache_settings = c
@@ -227,11 +257,11 @@ class EngineWorker(QObject):
         if self.engine is None and request.persistent and self.l3 is not None:
             self.l3.clear()   # the persistent store needs no model
             return
-        self._engine().clear_caches(persistent=request.persistent)
+        self._engine().clear_caches(persistent=request.persistent, origin=("window", request.request_id))
         self._emit_stats()
 
     def _reset_stats(self, request: ResetStats) -> None:
-        self._engine().reset_stats()
+        self._engine().reset_stats(origin=("window", request.request_id))
         self._emit_stats()
 
     def _request_stats(self, request: RequestStats) -> None:
@@ -242,12 +272,17 @@ class EngineWorker(QObject):
         engine = self._engine()
 
         def progress(message: str, fraction: float) -> None:
-            if self._shutdown.is_set():
+            if self._shutdown.is_set() or request.cancel.is_set():
                 raise LoadCancelled()
             self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
 
-        finished = engine_jobs.insert_fact(engine, request, progress)
-        self._emit_patches(lambda engine: engine_jobs.patches_changed(engine, request.request_id))
+        try:
+            finished = engine_jobs.insert_fact(engine, request, progress)
+        except LoadCancelled:
+            if self._shutdown.is_set():
+                raise
+            self.event.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
+            return   # the engine's event lists the patches
         self._emit_stats()
         if request.probe.strip():
             self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
@@ -257,9 +292,52 @@ class EngineWorker(QObject):
     def _probe(self, request: ProbePrompt) -> None:
         self.event.emit(engine_jobs.probe(self._engine(), request))
 
-    def _change_patches(self, job, request) -> None:
-        self._emit_patches(lambda engine: job(engine, request))
+    def _load_patch_file(self, request: LoadPatchFile) -> None:
+        engine = self._engine()
+        # PatchError names the problem and nothing is applied; the engine's event lists the patches.
+        engine.apply_patch(engine.read_patch(request.path), origin=("window", request.request_id))
         self._emit_stats()
+
+    def _remove_patch(self, request: RemovePatch) -> None:
+        self._engine().remove_patch(request.patch_id, origin=("window", request.request_id))
+        self._emit_stats()
+
+    # --- the HTTP API over this worker's engine ---
+
+    def _start_server(self, request: StartServer) -> None:
+        if self._serve is None or not 0 <= request.port <= 65535:
+            problem = "this app was started without the HTTP API" if self._serve is None else \
+                f"port {request.port} is out of range 0..65535"
+            self.event.emit(ServerState(request.request_id, None, problem))
+            return
+        self._server_port = request.port
+        self._serve_now(request.request_id)
+
+    def _stop_server(self, request: StopServer) -> None:
+        self._server_port = None
+        self._stop_serving()
+        self.event.emit(ServerState(request.request_id, None))
+
+    def _serve_now(self, request_id: int) -> None:
+        """(Re)start serving the current engine on the wanted port; a failure is reported and stops wanting it."""
+        self._stop_serving()
+        if self.engine is None:
+            self.event.emit(ServerState(request_id, None))   # starts once a model is loaded
+            return
+        try:
+            self._server = self._serve(self.engine, DEFAULT_API_HOST, self._server_port)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self._server_port = None
+            self.event.emit(ServerState(request_id, None, str(exc) or type(exc).__name__))
+            return
+        log.info("HTTP API serving %s on %s", self.model.name, self._server.url)
+        self.event.emit(ServerState(request_id, self._server.url))
+
+    def _stop_serving(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+            log.info("HTTP API on %s stopped", server.url)
 
     def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
                 cancel: threading.Event, prompt: str | None) -> None:
@@ -298,7 +376,7 @@ class EngineWorker(QObject):
 _CONTEXTS = {SendPrompt: "Reply", Regenerate: "Reply", ConfigureCache: "Cache settings",
              ClearCaches: "Clearing caches", ResetStats: "Resetting statistics", InsertFact: "INSERT",
              ProbePrompt: "Probe", LoadPatchFile: "Loading patch file", SavePatch: "Saving patch",
-             RemovePatch: "Removing patch"}
+             RemovePatch: "Removing patch", StartServer: "HTTP API", StopServer: "HTTP API"}
 
 
 def _context(request: object) -> str:
@@ -329,7 +407,8 @@ class EngineClient(QObject):
     _submit = Signal(object)
 
     def __init__(self, paths: AppPaths, threads: int = 2, loader: Callable[..., LoadedModel] = load_model,
-                 parent: QObject | None = None, l3: L3Store | None = None):
+                 parent: QObject | None = None, l3: L3Store | None = None, serve: Callable | None = None,
+                 applied: AppliedPatchStore | None = None):
         super().__init__(parent)
         self.threads = threads
         self.model: ModelInfo | None = None
@@ -339,7 +418,8 @@ class EngineClient(QObject):
         self._thread = QThread()
         self._thread.setObjectName("larql-engine")
         self.l3 = l3   # the persistent tier the worker attaches to every engine (closed by its opener)
-        self.worker = EngineWorker(paths, loader, l3)
+        self.can_serve = serve is not None
+        self.worker = EngineWorker(paths, loader, l3, serve, applied)
         self.worker.moveToThread(self._thread)
         self._submit.connect(self.worker.handle)
         self.worker.model_loaded.connect(self._on_model_loaded)
@@ -369,12 +449,6 @@ class EngineClient(QObject):
 
     def is_running(self) -> bool:
         return self._thread.isRunning()
-
-    @property
-    def engine(self) -> LarqlEngine | None:
-        """The loaded model's engine, for serving it over HTTP only (its walk, L2, L3 and statistics are
-        thread-safe; chats and settings go through requests). Set before `model_loaded` is relayed."""
-        return self.worker.engine
 
     # --- requests ---
 

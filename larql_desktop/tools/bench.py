@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -86,17 +87,16 @@ class RunTiming:
 
 def greedy_run(model, kv, ffn, prompt: str, tokens: int) -> RunTiming:
     """One greedy generation of `tokens` tokens through `ffn`, from an empty KV cache."""
+    from larql_desktop.engine.model.generation import greedy   # engine imports count in the time to first token
+
     submitted = time.perf_counter()
     ids = model.encode_prompt([{"role": "user", "content": prompt}])
     started = time.perf_counter()
-    logits = model.transformer.forward(ids, kv, ffn)[-1]
-    token = int(np.argmax(logits))
+    steps = greedy(model.transformer, ids, ffn, kv)
+    out = [next(steps)]
     first = time.perf_counter()
     first_wall = time.time()
-    out = [token]
-    for _ in range(tokens - 1):
-        token = int(np.argmax(model.transformer.forward([token], kv, ffn)[-1]))
-        out.append(token)
+    out += list(islice(steps, tokens - 1))
     done = time.perf_counter()
     return RunTiming(len(ids), first - started, first - submitted, tokens - 1, done - first, out, first_wall)
 
@@ -422,7 +422,7 @@ def format_report(doc: dict) -> list[str]:
                      f"{_fmt(r['load_seconds'], '7.2f')} {_fmt(r.get('peak_rss_mb'), '11.0f')} "
                      f"{_fmt(None if hr is None else 100 * hr, '7.1f', '%')}")
     if LLAMA_MODE in doc["modes"]:
-        lines.append(f"ratios vs llama.cpp (decode/prefill: higher is faster; TTFT/RSS: lower is better)")
+        lines.append("ratios vs llama.cpp (decode/prefill: higher is faster; TTFT/RSS: lower is better)")
         lines.append(f"{'mode':10s} {'decode':>7s} {'prefill':>8s} {'TTFT sub':>8s} {'TTFT st':>8s} "
                      f"{'RSS':>6s} {'greedy agree':>12s}")
         refs = doc.get("llama_cpp_reference")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -11,10 +12,9 @@ import numpy as np
 
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.walk import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
-from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.model.chat import ChatSession
-from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.loading import LoadedModel
 
 Log = Callable[[str], None]
@@ -31,10 +31,8 @@ def capture_residuals(model: LoadedModel, layer: int, prompt: str, n: int) -> np
         return model.ffn.dense(i, x)
 
     ids = model.encode_prompt([{"role": "user", "content": prompt}])
-    kv = KvCache(model.config)
-    logits = model.transformer.forward(ids, kv, recording_ffn)[-1]
-    while len(captured) < n and kv.length < model.context_limit - 1:
-        logits = model.transformer.forward([int(np.argmax(logits))], kv, recording_ffn)[-1]
+    for _ in islice(greedy(model.transformer, ids, recording_ffn, context_limit=model.context_limit), n + 1):
+        pass   # n decode steps after the prompt: one captured input each
     return np.stack(captured[:n])
 
 

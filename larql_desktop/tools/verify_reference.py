@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
 from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.loading import LoadedModel
 
@@ -71,17 +73,13 @@ def check_model(model: LoadedModel, name: str, entry: dict, log: Callable[[str],
             result.notes.append(f"prompt {prompt.get('text', '')[:40]!r}: token ids differ from llama.cpp")
         greedy_ref = list(prompt.get("greedy_ids", []))
         # Greedy continuation, decoded token by token from llama.cpp's prompt ids.
-        kv = KvCache(model.config)
-        logits = model.transformer.forward(ref_prompt, kv, model.ffn)[-1]
-        greedy = []
-        for _ in range(len(greedy_ref)):
-            token = int(np.argmax(logits))
-            greedy.append(token)
+        ours_greedy = []
+        for token in islice(greedy(model.transformer, ref_prompt, model.ffn), len(greedy_ref)):
+            ours_greedy.append(token)
             if token in tok.stop_ids:
                 break
-            logits = model.transformer.forward([token], kv, model.ffn)[-1]
         result.greedy_total += 1
-        if greedy == greedy_ref:
+        if ours_greedy == greedy_ref:
             result.greedy_identical += 1
         # Teacher-forced: our argmax at every position of llama.cpp's sequence.
         seq = ref_prompt + greedy_ref
@@ -94,8 +92,9 @@ def check_model(model: LoadedModel, name: str, entry: dict, log: Callable[[str],
             if top_logits[0] - top_logits[1] >= CLEAR_GAP:
                 result.clear_total += 1
                 result.clear_agree += int(int(np.argmax(ours_row)) == int(top_ids[0]))
-        diverge = next((i for i, (a, b) in enumerate(zip(greedy, greedy_ref)) if a != b), None)
-        verdict = "identical" if greedy == greedy_ref else f"differs from token {diverge if diverge is not None else len(greedy)}"
+        diverge = next((i for i, (a, b) in enumerate(zip(ours_greedy, greedy_ref)) if a != b), None)
+        verdict = "identical" if ours_greedy == greedy_ref else \
+            f"differs from token {diverge if diverge is not None else len(ours_greedy)}"
         log(f"  {prompt.get('kind', 'text'):4s} {prompt.get('text', '')[:48]!r}: greedy {verdict} "
             f"of {len(greedy_ref)}")
     return result

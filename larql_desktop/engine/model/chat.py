@@ -76,6 +76,14 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
 
+    def generate(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+        """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
+        renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long."""
+        if not ids:
+            raise ValueError("the prompt is empty")
+        self._check_fits(ids)
+        return self._generate_for(list(ids), settings)
+
     def regenerate(self, settings: SamplingSettings) -> Iterator[TokenStep]:
         """Drop the last reply and generate it again from the same context."""
         if not self.messages or self.messages[-1]["role"] != "assistant":

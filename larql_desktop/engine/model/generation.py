@@ -16,6 +16,15 @@ class SamplingSettings:
     temperature: float = 0.0   # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    # Beyond OpenAI's names, as llama.cpp has them (0 / 0.0 / 1.0: off). Penalties apply before any choice,
+    # greedy included: repeat_penalty to the last `repeat_last_n` tokens of the context (prompt and reply), the
+    # OpenAI presence and frequency penalties to the reply's own tokens.
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.max_tokens <= 1_000_000:
@@ -24,6 +33,22 @@ class SamplingSettings:
             raise ValueError(f"temperature must be between 0 and 100, not {self.temperature}")
         if not (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top-p must be in (0, 1], not {self.top_p}")
+        if not 0 <= self.top_k <= 1_000_000:
+            raise ValueError(f"top-k must be between 0 (off) and 1000000, not {self.top_k}")
+        if not (np.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min-p must be in [0, 1], not {self.min_p}")
+        if not (np.isfinite(self.repeat_penalty) and 0.0 < self.repeat_penalty <= 10.0):
+            raise ValueError(f"repeat penalty must be in (0, 10], not {self.repeat_penalty}")
+        if not 0 <= self.repeat_last_n <= 1_000_000:
+            raise ValueError(f"repeat last n must be between 0 and 1000000, not {self.repeat_last_n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name.replace('_', ' ')} must be in [-2, 2], not {value}")
+
+    @property
+    def penalised(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -41,12 +66,20 @@ class Sampler:
         self.settings = settings
         self.rng = np.random.default_rng(settings.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, context: Sequence[int] = (), reply: Sequence[int] = ()) -> int:
+        """The next token from `logits`; `context`: the token ids so far (prompt and reply), `reply`: the
+        reply's own (both only read when a penalty is set)."""
         s = self.settings
+        if s.penalised:
+            logits = self._penalise(logits, context, reply)
         if s.temperature == 0.0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / s.temperature
-        z -= z.max()
+        z = logits.astype(np.float64)
+        if 0 < s.top_k < z.size:
+            cut = np.partition(z, z.size - s.top_k)[z.size - s.top_k]
+            z = np.where(z >= cut, z, -np.inf)
+        # Shift before dividing: a tiny temperature then sends every other logit to -inf (greedy), never NaN.
+        z = (z - z.max()) / s.temperature
         p = np.exp(z)
         p /= p.sum()
         if s.top_p < 1.0:
@@ -56,7 +89,21 @@ class Sampler:
             kept = np.zeros_like(p)
             kept[keep] = p[keep]
             p = kept / kept.sum()
+        if s.min_p > 0.0:
+            p = np.where(p >= s.min_p * p.max(), p, 0.0)
+            p /= p.sum()
         return int(self.rng.choice(p.size, p=p))
+
+    def _penalise(self, logits: np.ndarray, context: Sequence[int], reply: Sequence[int]) -> np.ndarray:
+        s = self.settings
+        z = logits.astype(np.float64)
+        if s.repeat_penalty != 1.0 and s.repeat_last_n and len(context):
+            seen = np.unique(np.asarray(context[-s.repeat_last_n:], np.int64))
+            z[seen] = np.where(z[seen] > 0, z[seen] / s.repeat_penalty, z[seen] * s.repeat_penalty)
+        if (s.presence_penalty or s.frequency_penalty) and len(reply):
+            ids, counts = np.unique(np.asarray(reply, np.int64), return_counts=True)
+            z[ids] -= counts * s.frequency_penalty + s.presence_penalty
+        return z
 
 
 def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first_seconds: float,
@@ -69,8 +116,10 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
     """
     sampler = Sampler(settings)
     logits, seconds, ran = first_logits, first_seconds, first_tokens
+    reply: list[int] = []
     for index in range(settings.max_tokens):
-        token = sampler(logits)
+        token = sampler(logits, history, reply) if settings.penalised else sampler(logits)
+        reply.append(token)
         stop = token in stop_ids
         text = "" if stop else decoder.feed(token)
         yield TokenStep(token, text, index, seconds, ran, stop)
@@ -80,3 +129,19 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
         logits = model.forward([token], kv, ffn)[-1]
         history.append(token)
         seconds, ran = time.perf_counter() - started, 1
+
+
+def greedy(model: TransformerModel, ids: Sequence[int], ffn: FfnCall, kv: KvCache | None = None,
+           context_limit: int | None = None) -> Iterator[int]:
+    """Greedy tokens after the prompt `ids`, one at a time: the prompt runs on the first `next()`, every later
+    token costs one decode forward, run only when it is asked for (so `islice(greedy(...), n)` runs n - 1 decode
+    steps). Stops when the context is full. The one greedy loop of the project: bench, measure, INSERT and the
+    reference check all read from it."""
+    kv = kv if kv is not None else KvCache(model.config)
+    logits = model.forward(list(ids), kv, ffn)[-1]
+    while True:
+        token = int(np.argmax(logits))
+        yield token
+        if context_limit is not None and kv.length + 1 >= context_limit:
+            return
+        logits = model.forward([token], kv, ffn)[-1]

@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -84,6 +85,13 @@ class Patch:
     description: str = ""
     created_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     name: str = ""
+
+    @cached_property
+    def id(self) -> str:
+        """Stable name of what the patch does: a hash of its model and operations (not its description, name or
+        creation time), so front-ends name a patch by content, never by its position in a list."""
+        doc = {"base_checksum": self.base_checksum, "operations": [op.to_json() for op in self.operations]}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def layers(self) -> list[int]:

@@ -1,0 +1,466 @@
+"""The OpenAI-compatible part of the local API: what editors, notebooks, LangChain and Open WebUI speak.
+
+Routes (mounted by server.create_app next to the engine's own /v1 routes):
+  GET  /v1/models, /v1/models/{id}   the loaded model (one id: the engine's model name, e.g. "smollm2")
+  POST /v1/chat/completions          messages rendered with the model's chat template
+  POST /v1/completions               a raw prompt (the way to use a base model such as Gemma 3 270M)
+Both POST routes stream as server-sent events when `stream` is true (`data: {chunk}` lines, then `data: [DONE]`).
+
+Each request runs as its own engine session (its own L1) through the engine's current FFN settings, sharing L2 and
+L3 with every other client and with the app's chats, and is closed when it ends. Every response carries, beside
+`usage`, an extension field `larql_cache`: that request's FFN cache counts (hits and misses per tier, lookups that
+every tier missed, bypasses by reason), in a streamed reply on the chunk that carries the finish reason.
+
+Chat completions need a chat template: a base model (no template) is refused with a 400 that points to
+/v1/completions, rather than inventing a "role: content" format the model was never trained on.
+
+Scheduling: a request advances one forward pass per turn and turns are handed out first come, first served
+(`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
+away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
+
+Errors on these routes use the OpenAI error object {"error": {"message", "type", "param", "code"}} (a 4xx, and
+nothing has run); the engine's own routes keep their {"detail": ...} shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+import anyio.to_thread
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import ClientDisconnect
+
+from larql_desktop.engine.completions import CompletionRun, PromptTooLong
+from larql_desktop.engine.formats.chat_template import ChatTemplateError
+from larql_desktop.engine.model.generation import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
+MAX_STOP_STRINGS = 4          # as the OpenAI API
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DEFAULT_TEMPERATURE = 1.0     # the OpenAI API's default (the app's own chats default to greedy)
+DEFAULT_MAX_COMPLETIONS = 32  # sessions held at once by API requests (SmolLM2's KV cache: ~12 MB per 256 tokens)
+
+
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+                429: "rate_limit_error"}
+
+
+def error_doc(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_doc(self.status, self.message, self.param, self.code), status_code=self.status)
+
+
+# ----------------------------------------------------------------------------------------------- scheduling
+class FairTurns:
+    """An asyncio semaphore that hands its `slots` out strictly in arrival order (a request that takes a turn
+    queues again behind everyone already waiting), so concurrent generations interleave step by step.
+
+    `run(fn)` runs one step in the turn-holder's thread: the steps run on `slots` threads of their own (a forward
+    pass keeps per-thread onnxruntime bindings warm; hopping over a large pool would rebuild them), never on the
+    thread pool that serves the other routes."""
+
+    def __init__(self, slots: int = 1):
+        if slots < 1:
+            raise ValueError("at least one generation slot is needed")
+        self._free = slots
+        self._waiting: deque[asyncio.Future] = deque()
+        self._threads = ThreadPoolExecutor(slots, thread_name_prefix="larql-generate")
+
+    async def run(self, fn):
+        """fn() in a generation thread, during a turn. Cancelled, it still waits for fn to return (a forward
+        pass cannot be interrupted), so whoever cleans up afterwards never races the step."""
+        async with self:
+            return await anyio.to_thread.run_sync(lambda: self._threads.submit(fn).result())
+
+    async def __aenter__(self) -> None:
+        if self._free and not self._waiting:
+            self._free -= 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._release()          # granted just as it was cancelled: pass the slot on
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+
+# ----------------------------------------------------------------------------------------------- requests
+class _Lenient(BaseModel):
+    # Clients send fields this server has no use for (user, metadata, store…): they are ignored. The ones that
+    # would change the answer and are not supported are refused by name below.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Lenient):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    # Extensions, as llama.cpp's server names them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+
+
+def _sampling(req: _SamplingRequest, context_limit: int, prompt_tokens: int) -> tuple[SamplingSettings, tuple]:
+    """SamplingSettings and stop strings from the request's OpenAI-named fields; ApiError names a bad one."""
+    if req.n not in (None, 1):
+        raise ApiError(400, f"n={req.n}: this server returns one choice per request (send n=1 or leave it out)", "n")
+    if req.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported by this server", "logprobs")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    name, limit = ("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None \
+        else ("max_tokens", req.max_tokens)
+    if limit is not None and not 1 <= limit <= context_limit:
+        raise ApiError(400, f"{name} must be between 1 and the model's context of {context_limit} tokens, "
+                            f"not {limit}", name)
+    # Without a limit the reply may run to the end of the context (as the OpenAI API does).
+    max_tokens = limit if limit is not None else max(1, context_limit - prompt_tokens)
+    temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise ApiError(400, f"temperature must be between 0 and 2, not {temperature}", "temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 <= top_p <= 1.0:
+        raise ApiError(400, f"top_p must be between 0 and 1, not {top_p}", "top_p")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise ApiError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+    seed = None if req.seed is None else req.seed % 2 ** 64      # any integer, as the OpenAI API takes
+    fields = dict(max_tokens=max_tokens, temperature=float(temperature),
+                  top_p=max(float(top_p), 1e-9),                  # 0: only the most likely token survives
+                  seed=seed)
+    for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty),
+                        ("top_k", req.top_k), ("min_p", req.min_p), ("repeat_penalty", req.repeat_penalty)):
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingSettings(**fields), tuple(stops)
+    except ValueError as exc:
+        param = next((n for n in fields if n.replace("_", " ") in str(exc) or n.replace("_", "-") in str(exc)),
+                     None)
+        raise ApiError(400, str(exc), param) from None
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    if not messages:
+        raise ApiError(400, "messages is empty: send at least one message", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise ApiError(400, f"messages[{i}].role {m.role!r} is not supported: this server takes "
+                                "system, developer, user and assistant messages", f"messages[{i}].role")
+        if isinstance(m.content, list):
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}].content[{j}] is a {part.type!r} part: this model takes "
+                                        "text only", f"messages[{i}].content")
+                parts.append(part.text)
+            content = "".join(parts)
+        elif m.content is None:
+            if role != "assistant":
+                raise ApiError(400, f"messages[{i}].content is missing", f"messages[{i}].content")
+            content = ""
+        else:
+            content = m.content
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- routes
+def openai_router(engine, turns: FairTurns | None = None, max_completions: int = DEFAULT_MAX_COMPLETIONS) -> APIRouter:
+    """The OpenAI-compatible routes over `engine` (a LarqlEngine), taking generation turns from `turns`; at most
+    `max_completions` requests hold a session at once (each has a KV cache), more get a 429 (clients retry)."""
+    router = APIRouter(tags=["OpenAI-compatible"])
+    turns = turns if turns is not None else FairTurns()
+    active: set[CompletionRun] = set()      # touched from the event loop only
+    model = engine.model
+    model_id = model.name
+    created = int(model.path.stat().st_mtime) if model.path.exists() else 0
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "larql-desktop",
+                "larql": {"chat": model.is_chat, "context_length": model.context_limit,
+                          "architecture": model.config.arch, "checksum": model.checksum}}
+
+    @router.get("/v1/models")
+    def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{name:path}")
+    def get_model(name: str):
+        if name != model_id:
+            return ApiError(404, f"the model {name!r} does not exist; this server serves {model_id!r}",
+                            "model", "model_not_found").response()
+        return model_card()
+
+    async def parse(request: Request, schema: type[BaseModel]):
+        try:
+            raw = await request.body()
+        except HTTPException as exc:            # the Guard's body cap, while the body streamed in
+            raise ApiError(exc.status_code, str(exc.detail)) from None
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the body is not valid JSON") from None
+        if not isinstance(doc, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            req = schema.model_validate(doc)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        if req.model != model_id:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
+                           "model", "model_not_found")
+        return req
+
+    def start(ids: list[int], req: _SamplingRequest, param: str) -> CompletionRun:
+        settings, stops = _sampling(req, model.context_limit, len(ids))
+        if len(active) >= max_completions:
+            raise ApiError(429, f"the server is busy with {len(active)} completions; retry shortly",
+                           code="too_many_completions")
+        try:
+            run = CompletionRun(engine, ids, settings, stops)
+        except PromptTooLong as exc:
+            raise ApiError(400, f"{exc}: shorten it", param, "context_length_exceeded") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param) from None
+        active.add(run)
+        return run
+
+    def finish(run: CompletionRun):
+        """Close the run (idempotent) and free its place."""
+        active.discard(run)
+        return run.close()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            req = await parse(request, ChatCompletionRequest)
+            if req.tools:
+                raise ApiError(400, "tools are not supported by this server", "tools")
+            if req.response_format and req.response_format.get("type", "text") != "text":
+                raise ApiError(400, "only text responses are supported", "response_format")
+            messages = _chat_messages(req.messages)
+            if not model.is_chat:
+                raise ApiError(400, f"{model_id} is a base model without a chat template: send its prompt to "
+                                    "/v1/completions instead", "model", "model_not_chat")
+            try:
+                ids = model.encode_prompt(messages)
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), "messages") from None
+            run = start(ids, req, "messages")
+        except ApiError as exc:
+            return exc.response()
+        except ClientDisconnect:
+            return JSONResponse(error_doc(400, "the client went away"), status_code=400)
+        return await respond(request, run, req, chat=True)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            req = await parse(request, CompletionRequest)
+            if req.echo:
+                raise ApiError(400, "echo is not supported by this server", "echo")
+            if req.suffix:
+                raise ApiError(400, "suffix (insertion) is not supported by this server", "suffix")
+            if req.best_of not in (None, 1):
+                raise ApiError(400, "best_of must be 1 on this server", "best_of")
+            ids = prompt_ids(req.prompt)
+            run = start(ids, req, "prompt")
+        except ApiError as exc:
+            return exc.response()
+        except ClientDisconnect:
+            return JSONResponse(error_doc(400, "the client went away"), status_code=400)
+        return await respond(request, run, req, chat=False)
+
+    def prompt_ids(prompt) -> list[int]:
+        """A completion prompt: text, or token ids; a list of several prompts (a batch) is refused."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, "send one prompt per request (a list of several is a batch, not supported)",
+                               "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            vocab = model.config.vocab_size
+            if not prompt or any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must be 1 or more ids in 0..{vocab - 1}", "prompt")
+            return list(prompt)
+        ids = model.tokenizer.encode(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return ids
+
+    async def generate(run: CompletionRun, request: Request, watch_disconnect: bool) -> AsyncIterator[str]:
+        """The reply's text pieces, one forward pass per turn; the run is closed however this ends."""
+        try:
+            while not run.finished:
+                if watch_disconnect and await request.is_disconnected():
+                    return
+                text = await turns.run(run.step)
+                if text:
+                    yield text
+        finally:
+            finish(run)
+
+    async def respond(request: Request, run: CompletionRun, req: _SamplingRequest, chat: bool):
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        stamp = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if not req.stream:
+            try:
+                async for _ in generate(run, request, watch_disconnect=True):
+                    pass
+            except Exception:
+                log.exception("completion failed")
+                return JSONResponse(error_doc(500, "the engine failed while generating (details in the log)"),
+                                    status_code=500)
+            result = finish(run)
+            choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": result.text}} if chat else
+                          {"text": result.text})
+            return {"id": ident, "object": kind, "created": stamp, "model": model_id, "choices": [choice],
+                    "usage": usage(result), "larql_cache": result.cache.to_dict()}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict | None, **extra) -> bytes:
+            doc = {"id": ident, "object": chunk_kind, "created": stamp, "model": model_id,
+                   "choices": [choice] if choice is not None else [], **extra}
+            return f"data: {json.dumps(doc)}\n\n".encode()
+
+        def piece(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        async def events() -> AsyncIterator[bytes]:
+            if chat:
+                yield chunk(piece(None, None, first=True))
+            try:
+                async for text in generate(run, request, watch_disconnect=False):
+                    yield chunk(piece(text, None))
+            except Exception:
+                log.exception("completion failed")
+                yield f"data: {json.dumps(error_doc(500, 'the engine failed while generating'))}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                return
+            result = finish(run)
+            cache = result.cache.to_dict()
+            yield chunk(piece(None, result.finish_reason), usage=usage(result), larql_cache=cache)
+            if include_usage:
+                yield chunk(None, usage=usage(result), larql_cache=cache)
+            yield b"data: [DONE]\n\n"
+
+        return _ClosingStream(events(), lambda: finish(run), media_type="text/event-stream",
+                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    def usage(result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+    return router
+
+
+class _ClosingStream(StreamingResponse):
+    """A streamed reply whose run is closed however the response ends: finished, failed, or cancelled when the
+    client disconnects (Starlette then cancels the stream between chunks, where its generator is not closed)."""
+
+    def __init__(self, content, finish, **kw):
+        super().__init__(content, **kw)
+        self._finish = finish
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._finish()
