@@ -51,7 +51,9 @@ def test_counts_histograms_and_namespaces():
     assert snap.overlap_hist[1].sum() == 1 and snap.overlap_hist[1, 10] == 1      # 0.5 falls in [0.50, 0.55)
     assert snap.served.tolist() == [0, 1] and snap.mean_served_error[1] == pytest.approx(0.0, abs=1e-6)
     assert snap.mean_overlap[1] == pytest.approx(0.5) and np.isnan(snap.mean_overlap[0])
-    assert snap.to_dict()["per_layer"]["mean_overlap"][0] is None
+    doc = snap.to_dict()
+    assert doc["per_layer"]["mean_overlap"][0] is None
+    assert doc["recent_median_overlap"] == pytest.approx(0.5) and doc["recent"] == 1
 
 
 def test_off_by_default_costs_nothing(smollm2):

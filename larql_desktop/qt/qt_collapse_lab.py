@@ -220,7 +220,7 @@ class CollapseLab(QWidget):
     def _on_error(self, report) -> None:
         if getattr(report, "request_id", None) == self._pending and self._pending is not None:
             self._pending = None
-            self.status.setText(f"Failed: {report.message}" if hasattr(report, "message") else "Failed")
+            self.status.setText(f"Failed: {report.message}")
             self._update_enabled()
 
     @Slot(object)

@@ -198,17 +198,12 @@ def compare_captures(model_name: str, template: str, intermediate: int, captures
                           tuple(len(c.token_ids) for c in captures), tuple(pairs))
 
 
-def collapse(model, prompts: list[str], top_k: int | None = None, key_width: int | None = None,
-             should_stop=lambda: False) -> CollapseReport:
+def collapse(model, prompts: list[str], top_k: int | None = None, key_width: int | None = None) -> CollapseReport:
     """The lab's measurement for `prompts` on a loaded model (runs one forward pass per prompt)."""
     if len(prompts) < 2:
         raise ValueError("the collapse lab compares at least two prompts")
     resolve_sizes(model.config.intermediate, top_k, key_width)      # refuse bad sizes before any work
-    captures = []
-    for prompt in prompts:
-        if should_stop():
-            raise InterruptedError("stopped")
-        captures.append(capture(model, prompt))
+    captures = [capture(model, prompt) for prompt in prompts]
     return compare_captures(model.name, "chat" if model.is_chat else "plain", model.config.intermediate,
                             captures, top_k, key_width)
 

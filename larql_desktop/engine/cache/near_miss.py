@@ -158,21 +158,19 @@ class NearMissSnapshot:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.served > 0, self.served_error_sum / np.maximum(self.served, 1), np.nan)
 
-    @staticmethod
-    def _median(hist: np.ndarray, edges: np.ndarray) -> float:
-        """Median from a histogram (the upper edge of the bin holding it; nan when empty)."""
-        total = hist.sum()
-        if not total:
-            return float("nan")
-        return float(edges[1 + int(np.searchsorted(np.cumsum(hist), total / 2))])
+    def _recent_median(self, column: int) -> float | None:
+        """Median over the latest explained misses (`recent`): exact for them, unlike a histogram's bins."""
+        values = np.array([r[column] for r in self.recent], dtype=float)
+        values = values[np.isfinite(values)]
+        return float(np.median(values)) if values.size else None
 
     def to_dict(self) -> dict:
         def listed(a):
             return [None if isinstance(v, float) and not np.isfinite(v) else v for v in np.asarray(a).tolist()]
         return {"tau": self.tau, "sampled": int(self.sampled.sum()), "served": int(self.served.sum()),
                 "overlap_edges": OVERLAP_EDGES.tolist(), "cosine_edges": COSINE_EDGES.tolist(),
-                "median_overlap": self._median(self.overlap_hist.sum(axis=0), OVERLAP_EDGES),
-                "median_cosine": self._median(self.cosine_hist.sum(axis=0), COSINE_EDGES),
+                "recent_median_overlap": self._recent_median(1), "recent_median_cosine": self._recent_median(2),
+                "recent": len(self.recent),
                 "per_layer": {"sampled": self.sampled.tolist(), "empty": self.empty.tolist(),
                               "served": self.served.tolist(), "mean_overlap": listed(self.mean_overlap),
                               "mean_cosine": listed(self.mean_cosine),
