@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--seed", type=_non_negative_int, default=None, help="sampling seed (a non-negative integer)")
     chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
                       help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
     chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
@@ -379,6 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: argparse names the option in the error ("argument --seed: ...")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -391,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     share_thread_pool(args.threads)   # this process makes no onnxruntime sessions but the engine's
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:   # GgufError, PatchError, bad settings, self-test failures
+    except (ValueError, OSError, FloatingPointError) as exc:   # GgufError, PatchError, bad settings, a damaged
+        # model computing NaN, self-test failures
         print(f"larql-desktop: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
