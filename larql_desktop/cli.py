@@ -87,7 +87,8 @@ def _walk_settings(args):
     from larql_desktop.engine.cache.walk import WalkSettings
 
     return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
-                        key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None))
+                        key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None),
+                        feature_set_hits=getattr(args, "feature_set_hits", False))
 
 
 def cmd_bench_ffn_cache(args) -> int:
@@ -317,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--scenarios", required=True, help="scenario file (hitrate_scenarios.json format)")
     hit.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
     hit.add_argument("--key-k", type=int, default=None, help="key on the top k' of the K ids (default K)")
-    hit.add_argument("--guard", type=float, default=None, help="cosine guard tau for a hit (default off)")
+    hit.add_argument("--guard", type=float, default=None,
+                     help="cosine guard tau for a hit, with norms within 5%% (default off: a hit needs the same input)")
+    hit.add_argument("--feature-set-hits", action="store_true",
+                     help="the seed's semantics: any entry under the key is a hit, whatever input made it (for "
+                          "study of approximate keys; unsafe where untrusted clients share the cache)")
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)

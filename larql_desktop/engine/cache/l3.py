@@ -111,11 +111,10 @@ def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
     (stored,) = _CHECKSUM.unpack_from(blob, _HEADER.size)
     if stored != _checksum(address, blob[:_HEADER.size], memoryview(blob)[_PREFIX:]):
         return None
-    kind = "<f2" if code else "<f4"
-    out = np.frombuffer(blob, kind, d, _PREFIX).astype(np.float32)
-    res = np.frombuffer(blob, kind, d, _PREFIX + d * width).astype(np.float32)
-    if not (np.isfinite(out).all() and np.isfinite(res).all()):
+    vectors = np.frombuffer(blob, "<f2" if code else "<f4", 2 * d, _PREFIX).astype(np.float32)
+    if not np.isfinite(vectors).all():
         return None
+    out, res = vectors[:d], vectors[d:]
     out.flags.writeable = False
     res.flags.writeable = False
     return CacheEntry(out, res)
