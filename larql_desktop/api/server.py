@@ -242,6 +242,8 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc.__cause__, RecursionError):    # FastAPI's body parser hit Python's recursion limit
+            return JSONResponse({"detail": "the body's JSON is nested too deeply"}, status_code=400)
         return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     def refuse(reason: str, status: int = 422):
