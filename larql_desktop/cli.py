@@ -104,6 +104,7 @@ def _walk_settings(args):
 
     return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
                         key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None),
+                        feature_set_hits=getattr(args, "feature_set_hits", False),
                         near_miss_fraction=getattr(args, "explain_misses", 0.0))
 
 
@@ -168,14 +169,14 @@ def cmd_frontier(args) -> int:
     widths = parse_sweep(args.widths, "--widths", int)
     taus = parse_sweep(args.taus, "--taus", float)
     model = _load(args, quiet_progress=True)
-    points, bounds = run_frontier(model, args.prompts, widths, taus, top_k=args.top_k, max_tokens=args.max_tokens,
-                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    points, bounds = run_frontier(model, args.prompts, widths, taus, walk=_walk_settings(args),
+                                  max_tokens=args.max_tokens, log=lambda line: print(line, file=sys.stderr, flush=True))
     top_k = _walk_settings(args).resolved(model.config.intermediate).top_k
     for line in format_frontier(model, top_k, points, bounds, len(args.prompts)):
         print(line)
     if args.json:
         doc = {"model": model.name, "top_k": top_k, "intermediate": model.config.intermediate,
-               "prompts": args.prompts, "max_tokens": args.max_tokens,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "feature_set_hits": args.feature_set_hits,
                "designs": [p.to_dict() for p in points], "bounds": [b.to_dict() for b in bounds]}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
@@ -350,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--seed", type=_non_negative_int, default=None, help="sampling seed (a non-negative integer)")
     chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
                       help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
     chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
@@ -378,7 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--scenarios", required=True, help="scenario file (hitrate_scenarios.json format)")
     hit.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
     hit.add_argument("--key-k", type=int, default=None, help="key on the top k' of the K ids (default K)")
-    hit.add_argument("--guard", type=float, default=None, help="cosine guard tau for a hit (default off)")
+    hit.add_argument("--guard", type=float, default=None,
+                     help="cosine guard tau for a hit, with norms within 5%% (default off: a hit needs the same input)")
+    hit.add_argument("--feature-set-hits", action="store_true",
+                     help="the seed's semantics: any entry under the key is a hit, whatever input made it (for "
+                          "study of approximate keys; unsafe where untrusted clients share the cache)")
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)
@@ -397,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--widths", default="K,64,8,1", help="key widths k' to sweep, K = all K ids (default K,64,8,1)")
     front.add_argument("--taus", default="off,0.999,0.995,0.99",
                        help="cosine guards to sweep, off = none (default off,0.999,0.995,0.99)")
+    front.add_argument("--feature-set-hits", action="store_true",
+                       help="tau off means the seed's semantics (any entry under the key serves), not the default "
+                            "(a hit needs the entry's own input)")
     front.add_argument("--max-tokens", type=int, default=24, help="tokens per generation (default 24)")
     front.add_argument("--json", default=None, help="also write the figures to this JSON file")
     front.add_argument("prompts", nargs="+", metavar="PROMPT")
@@ -459,6 +467,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: argparse names the option in the error ("argument --seed: ...")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -471,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     share_thread_pool(args.threads)   # this process makes no onnxruntime sessions but the engine's
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:   # GgufError, PatchError, bad settings, self-test failures
+    except (ValueError, OSError, FloatingPointError) as exc:   # GgufError, PatchError, bad settings, a damaged
+        # model computing NaN, self-test failures
         print(f"larql-desktop: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -144,34 +144,43 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     assert not np.array_equal(plain, smollm2.transformer.forward(ids, KvCache(cfg), patched))
 
 
-def test_unchanged_graph_files_are_not_hashed_again_and_rewritten_ones_are(smollm2, app_paths):
+def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smollm2, app_paths):
+    """No size-and-mtime shortcut: every load hashes every file's whole content (a same-size rewrite with the
+    old time put back is found), and a session made after the load's check does not hash it again."""
+    import json
+    import os
+
     from larql_desktop.engine.graphs import store as graph_store
+    from larql_desktop.engine.graphs.blocks import MANIFEST
 
     directory = app_paths.onnx_dir / smollm2.checksum
     hashed = []
-    real = graph_store._sha256_file
+    real = graph_store.file_digest
 
     def counting(path):
         hashed.append(path.name)
         return real(path)
 
     def load():
-        return OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1).rebuilt
+        return OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
 
-    graph_store._sha256_file = counting
+    graph_store.file_digest = counting
     try:
-        assert load() == [] and hashed == []
-        victim = directory / "head.onnx"
-        good = victim.read_bytes()
-        victim.write_bytes(good[:-16] + bytes(16))           # same size, new contents
-        assert load() == ["head.onnx"] and hashed == ["head.onnx"]
-        assert victim.read_bytes() == good
-        victim.touch()                                         # same contents, new time: hashed once, kept
+        blocks = load()
+        files = sorted(json.loads((directory / MANIFEST).read_text())["files"])
+        assert blocks.rebuilt == [] and sorted(hashed) == files
         hashed.clear()
-        assert load() == [] and load() == []
-        assert hashed == ["head.onnx"]
+        blocks.load_sessions(gated=True)                    # checked already, unchanged since: not hashed again
+        assert hashed == []
+        victim = directory / "head.onnx"
+        good, stat = victim.read_bytes(), victim.stat()
+        victim.write_bytes(good[:-16] + bytes(16))           # same size, new contents, old time put back
+        os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert load().rebuilt == ["head.onnx"] and victim.read_bytes() == good
+        victim.touch()                                         # same contents, new time: kept
+        assert load().rebuilt == []
     finally:
-        graph_store._sha256_file = real
+        graph_store.file_digest = real
 
 
 def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, app_paths):

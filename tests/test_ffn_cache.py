@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import (CacheEntry, CacheStats, CacheTier, TierSettings, WalkFfn,
+from larql_desktop.engine.cache.walk import (CacheEntry, CacheStats, CacheTier, HitRule, TierSettings, WalkFfn,
                                             WalkSettings, default_top_k, feature_key, is_full_k, key_features,
                                             select_features)
 from larql_desktop.engine.model.generation import SamplingSettings
@@ -100,9 +100,11 @@ def test_cosine_guard_picks_best_entry_in_bucket():
     x1, x2 = np.array([1, 0, 0, 0], np.float32), np.array([0, 1, 0, 0], np.float32)
     tier.store(0, "k", CacheEntry(np.full(4, 1, np.float32), x1), bucket_size=4)
     tier.store(0, "k", CacheEntry(np.full(4, 2, np.float32), x2), bucket_size=4)
+    guard = HitRule("cosine", tau=0.99)
     q = np.array([0.1, 1, 0, 0], np.float32)
-    assert tier.lookup(0, "k", q, 0.99).output[0] == 2
-    assert tier.lookup(0, "k", np.array([1, 1, 0, 0], np.float32), 0.99) is None
+    assert tier.lookup(0, "k", q, guard).output[0] == 2
+    assert tier.lookup(0, "k", np.array([1, 1, 0, 0], np.float32), guard) is None
+    assert tier.lookup(0, "k", 3 * x2, guard) is None          # same direction, three times the length
     assert tier.occupancy()[1][0] == 2
 
 
@@ -240,7 +242,8 @@ def test_keys_carry_k_so_other_settings_never_hit(smollm2):
 
 
 def test_verify_mode_measures_hit_error(smollm2):
-    engine = LarqlEngine(smollm2, walk=WalkSettings(key_width=1, verify_fraction=1.0))
+    # The seed's feature-set hits (opt-in): approximate keys then serve approximate outputs.
+    engine = LarqlEngine(smollm2, walk=WalkSettings(key_width=1, feature_set_hits=True, verify_fraction=1.0))
     session = engine.new_session()
     list(session.reply("Write a haiku about the sea.", SamplingSettings(max_tokens=12)))
     snap = engine.snapshot()
@@ -251,7 +254,8 @@ def test_verify_mode_measures_hit_error(smollm2):
 
 def test_cosine_guard_limits_hits_to_similar_residuals(smollm2):
     def hits(guard):
-        engine = LarqlEngine(smollm2, walk=WalkSettings(key_width=1, cosine_guard=guard, verify_fraction=1.0))
+        engine = LarqlEngine(smollm2, walk=WalkSettings(key_width=1, cosine_guard=guard, feature_set_hits=True,
+                                                        verify_fraction=1.0))
         list(engine.new_session().reply("Write a haiku about the sea.", SamplingSettings(max_tokens=12)))
         return engine.snapshot()
 
@@ -264,6 +268,6 @@ def test_cosine_guard_limits_hits_to_similar_residuals(smollm2):
 def test_bad_walk_settings_refused(smollm2):
     f = smollm2.config.intermediate
     for kwargs in (dict(top_k=0), dict(top_k=f + 1), dict(top_k=10, key_width=11), dict(verify_fraction=2.0),
-                   dict(cosine_guard=1.5)):
+                   dict(cosine_guard=1.5), dict(max_distance=float("nan")), dict(max_distance=-1e-3)):
         with pytest.raises(ValueError):
             LarqlEngine(smollm2, walk=WalkSettings(**kwargs))

@@ -45,6 +45,13 @@ def test_run_frontier_on_a_repeat_puts_the_bound_above_each_design(smollm2):
         assert p.lookups > 0 and 0.0 <= p.hit_rate <= 1.0 and p.generations == 2
         if p.tau == 0.999:
             assert bounds[0].hit_rate >= p.hit_rate - 1e-9
+    # Without a guard the default rule serves only the entry's own input: k'=8 then hits no more than exact
+    # keys (less when colliding inputs overwrite each other's one-entry bucket), while the seed's rule (any
+    # entry under the key) serves other inputs' outputs too.
+    assert points[2].hit_rate <= exact.hit_rate + 1e-9 and points[2].tau_label == "exact"
+    seed, _ = run_frontier(smollm2, [PROMPT], widths=[1], taus=[None], walk=WalkSettings(feature_set_hits=True),
+                           max_tokens=6)
+    assert seed[0].tau_label == "seed" and seed[0].hit_rate > 0.3
     with pytest.raises(ValueError, match="key width"):
         run_frontier(smollm2, [PROMPT], widths=[10 ** 6], taus=[None])
     with pytest.raises(ValueError, match="non-empty prompts"):

@@ -139,7 +139,8 @@ class LarqlEngine:
     def request_walk(self, top_k: int | None = None) -> WalkFfn:
         """A walk FFN for one API request: no L1, the shared L2 (and L3), this engine's patches and stats,
         and the request's K (None: the engine's). Thread-safe to use alongside the sessions."""
-        walk = replace(self.walk_settings, dense=False)
+        # Never the seed's feature-set hits for a request: an untrusted client would choose what others are served.
+        walk = replace(self.walk_settings, dense=False, feature_set_hits=False)
         if top_k is not None:
             width = walk.key_width if walk.key_width is not None and walk.key_width <= top_k else None
             walk = replace(walk, top_k=top_k, key_width=width)

@@ -289,7 +289,8 @@ class CacheMonitor(QWidget):
         self.guard = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.001, decimals=4)
         self.guard.setSpecialValueText("off")
         self.guard.setAccessibleName("Cosine guard")
-        self.guard.setToolTip("A hit needs this cosine between the stored and the current FFN input")
+        self.guard.setToolTip("Approximate hits: this cosine between the stored and the current FFN input, and "
+                              "norms within 5%. Off: a hit needs the same input (within 0.1%)")
         self.verify = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=2)
         self.verify.setAccessibleName("Verify fraction")
         self.verify.setToolTip("Share of hits recomputed to measure the error a hit carries")

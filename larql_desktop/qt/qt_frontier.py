@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
-from PySide6.QtWidgets import (QFormLayout, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
-                               QSizePolicy, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
+                               QPushButton, QSizePolicy, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
 
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.qt.qt_collapse_lab import scrolling
@@ -34,6 +35,7 @@ class RunFrontier:
     widths: tuple[int | None, ...]      # None: k' = K
     taus: tuple[float | None, ...]      # None: no guard
     max_tokens: int
+    feature_set_hits: bool = False      # tau None: the seed's rule (any entry under the key), else the default
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
 
@@ -71,6 +73,7 @@ def frontier_handler(worker):
         top_k = WalkSettings().resolved(model.config.intermediate).top_k
         try:
             points, bounds = run_frontier(model, list(request.prompts), list(request.widths), list(request.taus),
+                                          walk=WalkSettings(feature_set_hits=request.feature_set_hits),
                                           max_tokens=request.max_tokens, log=log,
                                           should_stop=lambda: request.cancel.is_set())
         except MeasurementStopped:
@@ -109,6 +112,10 @@ class FrontierView(QWidget):
         self.taus.setToolTip("Cosine guards to sweep; off = none. The nearest-neighbour bound runs at each tau")
         self.tokens = QSpinBox(minimum=1, maximum=512, value=24)
         self.tokens.setAccessibleName("Frontier tokens")
+        self.seed_hits = QCheckBox("off = seed (any entry under the key)")
+        self.seed_hits.setAccessibleName("Frontier seed hits")
+        self.seed_hits.setToolTip("Without a guard, serve any entry under the key (the seed's rule, for study) "
+                                  "rather than only the entry's own input (the default)")
         self.run_button = QPushButton("Run")
         self.run_button.setAccessibleName("Run frontier")
         self.run_button.clicked.connect(self.run)
@@ -125,6 +132,7 @@ class FrontierView(QWidget):
         form.addRow("k'", self.widths)
         form.addRow("tau", self.taus)
         form.addRow("Tokens", self.tokens)
+        form.addRow(self.seed_hits)
         buttons = QHBoxLayout()
         buttons.addWidget(self.run_button)
         buttons.addWidget(self.stop_button)
@@ -189,7 +197,8 @@ class FrontierView(QWidget):
             raise ValueError("give one or more prompts, one per line")
         widths = tuple(parse_sweep(self.widths.text(), "key widths", int))
         taus = tuple(parse_sweep(self.taus.text(), "taus", float))
-        return RunFrontier(self.client.next_request_id(), prompts, widths, taus, self.tokens.value())
+        return RunFrontier(self.client.next_request_id(), prompts, widths, taus, self.tokens.value(),
+                           self.seed_hits.isChecked())
 
     @Slot()
     def run(self) -> None:
@@ -248,7 +257,7 @@ class FrontierView(QWidget):
         rows = [*result.points, *result.bounds]
         self.table.setRowCount(len(rows))
         for r, p in enumerate(rows):
-            cells = ("NN bound" if p.is_bound else f"k'={p.key_width}", "off" if p.tau is None else f"{p.tau:g}",
+            cells = ("NN bound" if p.is_bound else f"k'={p.key_width}", p.tau_label,
                      _pct(p.hit_rate), _pct(p.agreement), f"{p.identical}/{p.generations}",
                      "—" if math.isnan(p.mean_cosine) else f"{p.mean_cosine:.4f}",
                      "—" if math.isnan(p.min_cosine) else f"{p.min_cosine:.4f}")

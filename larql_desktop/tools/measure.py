@@ -11,7 +11,8 @@ from typing import Callable
 import numpy as np
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
+from larql_desktop.engine.cache.walk import (GUARD_NORM_TOLERANCE, CacheStats, CacheTier, FidelitySummary, TierSettings,
+                                             WalkFfn, WalkSettings)
 from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.model.chat import ChatSession
@@ -313,6 +314,7 @@ class FrontierPoint:
     generations: int
     mean_cosine: float           # cached vs fresh output on every hit (nan without hits)
     min_cosine: float
+    feature_set_hits: bool = False   # with tau None: the seed's rule (any entry under the key), else "near"
 
     @property
     def is_bound(self) -> bool:
@@ -333,14 +335,22 @@ class FrontierPoint:
                 "key_width": self.key_width, "tau": self.tau, "hit_rate": self.hit_rate, "hits": self.hits,
                 "lookups": self.lookups, "greedy_agreement": self.agreement, "identical": self.identical,
                 "generations": self.generations, "hit_cosine_mean": finite(self.mean_cosine),
-                "hit_cosine_min": finite(self.min_cosine)}
+                "hit_cosine_min": finite(self.min_cosine), "tau_label": self.tau_label}
+
+    @property
+    def tau_label(self) -> str:
+        """'0.995'; without a guard 'exact' (a hit needs the entry's own input) or 'seed' (any entry under the key)."""
+        if self.tau is not None:
+            return f"{self.tau:g}"
+        return "seed" if self.feature_set_hits else "exact"
 
 
 class NearestNeighbourFfn:
     """The frontier's upper bound at a guard tau: every decode lookup is served by the stored output whose input
-    is nearest by cosine, whenever that cosine reaches tau, whatever its feature set. No key can hit where this
-    misses (a key only narrows the candidates a guard may accept). Like the engine's cache, prefill neither
-    serves nor stores; every decode miss stores. Each hit is also computed fresh to measure its output cosine."""
+    is nearest by cosine among those the cache's guard accepts (walk.HitRule "cosine": cos >= tau, norms within
+    GUARD_NORM_TOLERANCE), whatever its feature set. No key can hit where this misses (a key only narrows the
+    candidates a guard may accept). Like the engine's cache, prefill neither serves nor stores; every decode
+    miss stores. Each hit is also computed fresh to measure its output cosine."""
 
     takes_gate_scores = True
 
@@ -350,6 +360,7 @@ class NearestNeighbourFfn:
         self._inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]   # unit vectors
         self._matrix: list[np.ndarray | None] = [None] * n_layers
         self._outputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self._norms: list[list[float]] = [[] for _ in range(n_layers)]
         self.lookups = 0
         self.hits = 0
         self.cosines: list[float] = []
@@ -366,11 +377,14 @@ class NearestNeighbourFfn:
         if x.shape[0] != 1:
             return self.walk.call_with_scores(layer, x, scores)
         self.lookups += 1
-        x0 = x[0] / (float(np.linalg.norm(x[0])) + 1e-30)
+        norm = float(np.linalg.norm(x[0]))
+        x0 = x[0] / (norm + 1e-30)
         stored = self._stored(layer)
         fresh = self.walk.call_with_scores(layer, x, scores)
         if stored is not None:
-            cos = stored @ x0
+            norms = np.asarray(self._norms[layer])
+            guardable = np.abs(norm / np.maximum(norms, 1e-30) - 1.0) <= GUARD_NORM_TOLERANCE
+            cos = np.where(guardable, stored @ x0, -np.inf)
             best = int(np.argmax(cos))
             if cos[best] >= self.tau:
                 served = self._outputs[layer][best]
@@ -379,6 +393,7 @@ class NearestNeighbourFfn:
                                                                 + 1e-30))
                 return served[None, :].copy()
         self._inputs[layer].append(x0.astype(np.float32))
+        self._norms[layer].append(norm)
         self._outputs[layer].append(fresh[0].copy())
         return fresh
 
@@ -388,17 +403,19 @@ def _cosine_summary(cosines) -> tuple[float, float]:
 
 
 def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None], taus: list[float | None],
-                 top_k: int | None = None, max_tokens: int = 32, log: Log = lambda s: None,
+                 walk: WalkSettings = WalkSettings(), max_tokens: int = 32, log: Log = lambda s: None,
                  should_stop: Callable[[], bool] = lambda: False) -> tuple[list[FrontierPoint], list[FrontierPoint]]:
     """Key width k' x guard tau on the prompts, run one after another with fresh sessions sharing the process
     L2 (so a prompt can hit what an earlier one stored, and its own decode steps what it stored itself); and the
-    nearest-neighbour bound at each tau. Returns (designs, bounds). `widths`: None means k' = K."""
+    nearest-neighbour bound at each tau. Returns (designs, bounds). `widths`: None means k' = K. `walk` gives K
+    and what tau None means: the engine's default (a hit needs the entry's own input) or, with
+    feature_set_hits, the seed's (any entry under the key)."""
     if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
         raise ValueError("the frontier needs one or more non-empty prompts")
     if not widths or not taus:
         raise ValueError("the frontier needs at least one key width and one tau")
     F = model.config.intermediate
-    base = WalkSettings(top_k=top_k).resolved(F)
+    base = replace(walk, key_width=None, cosine_guard=None, verify_fraction=0.0).resolved(F)
     # Resolved up front: impossible widths or taus are refused before any run, and k' = K reads as a number.
     designs = [replace(base, key_width=w, cosine_guard=t, verify_fraction=1.0).resolved(F)
                for w in widths for t in taus]
@@ -435,7 +452,7 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
         fid = engine.snapshot().fidelity
         point = FrontierPoint(walk.key_width, walk.cosine_guard, lookups, hits, agree, total, same, len(prompts),
                               fid.mean_cosine if fid.checked else math.nan,
-                              fid.min_cosine if fid.checked else math.nan)
+                              fid.min_cosine if fid.checked else math.nan, walk.feature_set_hits)
         points.append(point)
         log(f"k'={walk.key_width} tau={walk.cosine_guard}: hit rate {100 * point.hit_rate:.1f}%, "
             f"agreement {100 * point.agreement:.1f}%")
@@ -464,7 +481,7 @@ def format_frontier(model: LoadedModel, top_k: int, points: list[FrontierPoint],
 
     def row(p: FrontierPoint) -> str:
         name = "NN bound (any key)" if p.is_bound else f"key k'={p.key_width}"
-        tau = "off" if p.tau is None else f"{p.tau:g}"
+        tau = p.tau_label
         cos = "—" if not math.isfinite(p.mean_cosine) else f"{p.mean_cosine:.4f}/{p.min_cosine:.4f}"
         return (f"{name:26s} {tau:>7s} {_pct(p.hit_rate):>9s} {p.lookups:8d} {_pct(p.agreement):>12s} "
                 f"{p.identical:>4d}/{p.generations:<4d} {cos:>17s}")
@@ -475,6 +492,8 @@ def format_frontier(model: LoadedModel, top_k: int, points: list[FrontierPoint],
     for tau, group in by_tau.items():
         lines.extend(row(p) for p in group)
         lines.extend(row(b) for b in bounds if b.tau == tau)
+    lines.append("tau exact: no guard, a hit needs the entry's own input (the default); seed: no guard, any entry "
+                 "under the key (--feature-set-hits).")
     lines.append("hit rate: decode lookups served from a cache. Greedy agreement: tokens equal to the cache-off "
                  "run. NN bound: every lookup served by the nearest stored input when its cosine reaches tau, the "
                  "most any key design with that guard could hit.")

@@ -7,12 +7,17 @@ Keys survive restarts because they carry everything an output depends on: the wa
 K, key width and the layer's patch epoch, a content hash of its overrides), the layer, the 64-bit feature key
 (blake2b, stable across processes), and the numerics that computed the value (this format's version and the
 onnxruntime version). A value is the raw FFN output and the input it was computed from, as fp32 or, optionally,
-fp16 (half the bytes; its error is measured in tests/test_l3.py). Both backends cap their size in bytes and
-evict the least recently used entries.
+fp16 (half the bytes; its error is measured in tests/test_l3.py), behind a header with an xxh3 checksum of the
+value and of the address it was written to: flipped bytes, a truncated write or a value moved to another key
+are found on read, counted as a miss and deleted. Both backends cap their size in bytes and evict the least
+recently used entries.
 
 The store is an optimisation and never breaks inference: a corrupt, locked or unreachable store is detected,
 logged once per kind of problem, and then rebuilt (a corrupt SQLite file is moved aside) or skipped for a while;
-a lookup that fails is a miss and a write that fails is dropped.
+a lookup that fails is a miss and a write that fails is dropped. Several processes share one SQLite file: a
+rebuild holds an exclusive lock on `<file>.lock` (opening holds it shared), a process moves the file aside only
+if it is still the file that process opened, and a process whose file was replaced under it (another process
+rebuilt it) reopens the new one instead of going on alone with the old.
 """
 from __future__ import annotations
 
@@ -24,20 +29,25 @@ import sqlite3
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from larql_desktop.engine.cache.walk import CacheEntry
 
 log = logging.getLogger(__name__)
 
-L3_FORMAT = 1
+L3_FORMAT = 2                         # 2: values carry a checksum
 DTYPES = ("float32", "float16")
 FP16_MAX = 65504.0
 _HEADER = struct.Struct("<2sBBI")     # magic, format, dtype code (0 fp32, 1 fp16), vector length
+_CHECKSUM = struct.Struct("<Q")       # xxh3-64 of the address, the header and the vectors
+_PREFIX = _HEADER.size + _CHECKSUM.size
 _MAGIC = b"L3"
+_ADDRESS = struct.Struct("<qqq")      # (namespace id, layer, key): what a value's checksum binds it to
 RETRY_AFTER = 5.0                     # seconds a failing backend is skipped before it is tried again
 LOCKED_RETRY = 1.0                    # seconds a locked SQLite file is skipped
 
@@ -63,28 +73,48 @@ class L3Settings:
             raise ValueError(f"L3 size cap must be between 4 KiB and 16 TiB, not {self.max_bytes} bytes")
 
 
-def encode_entry(entry: CacheEntry, dtype: str) -> bytes:
-    """Header + output + residual. fp16 is used only where every value fits (else that entry stays fp32)."""
+def value_address(ns: int, layer: int, key: int) -> bytes:
+    """The bytes a value's checksum covers besides the value: a value copied under another key does not verify."""
+    return _ADDRESS.pack(ns, layer, key)
+
+
+def _checksum(address: bytes, header: bytes, vectors: bytes) -> int:
+    h = xxhash.xxh3_64(address)
+    h.update(header)
+    h.update(vectors)
+    return h.intdigest()
+
+
+def encode_entry(entry: CacheEntry, dtype: str, address: bytes = b"") -> bytes:
+    """Header, checksum, output, residual. fp16 is used only where every value fits (else that entry stays
+    fp32). `address`: value_address() of where it is written (decode_entry must be given the same)."""
     out, res = entry.output, entry.residual
     code = 0
     if dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX:
         code = 1
     kind = "<f2" if code else "<f4"
-    return (_HEADER.pack(_MAGIC, L3_FORMAT, code, out.size) + np.ascontiguousarray(out, kind).tobytes()
-            + np.ascontiguousarray(res, kind).tobytes())
+    header = _HEADER.pack(_MAGIC, L3_FORMAT, code, out.size)
+    vectors = np.ascontiguousarray(out, kind).tobytes() + np.ascontiguousarray(res, kind).tobytes()
+    return header + _CHECKSUM.pack(_checksum(address, header, vectors)) + vectors
 
 
-def decode_entry(blob: bytes) -> CacheEntry | None:
-    """The entry, or None when the blob is not a well-formed value of this format."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < _HEADER.size:
+def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
+    """The entry, or None when the blob is not a well-formed value of this format whose checksum verifies
+    for `address`, or when it holds a non-finite number (never written: see L3Store.put)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < _PREFIX:
         return None
+    blob = bytes(blob)
     magic, fmt, code, d = _HEADER.unpack_from(blob)
     width = 2 if code == 1 else 4
-    if magic != _MAGIC or fmt != L3_FORMAT or code not in (0, 1) or len(blob) != _HEADER.size + 2 * d * width:
+    if magic != _MAGIC or fmt != L3_FORMAT or code not in (0, 1) or len(blob) != _PREFIX + 2 * d * width:
         return None
-    kind = "<f2" if code else "<f4"
-    out = np.frombuffer(blob, kind, d, _HEADER.size).astype(np.float32)
-    res = np.frombuffer(blob, kind, d, _HEADER.size + d * width).astype(np.float32)
+    (stored,) = _CHECKSUM.unpack_from(blob, _HEADER.size)
+    if stored != _checksum(address, blob[:_HEADER.size], memoryview(blob)[_PREFIX:]):
+        return None
+    vectors = np.frombuffer(blob, "<f2" if code else "<f4", 2 * d, _PREFIX).astype(np.float32)
+    if not np.isfinite(vectors).all():
+        return None
+    out, res = vectors[:d], vectors[d:]
     out.flags.writeable = False
     res.flags.writeable = False
     return CacheEntry(out, res)
@@ -145,12 +175,24 @@ class L3Store:
     def get(self, layer: int, namespace: tuple, key: int) -> CacheEntry | None:
         if not self._available():
             return None
-        return self._get(layer, namespace_id(namespace), _signed(key))
+        ns, key = namespace_id(namespace), _signed(key)
+        blob = self._get(layer, ns, key)
+        if blob is None:
+            return None
+        entry = decode_entry(blob, value_address(ns, layer, key))
+        if entry is None:
+            self._report("bad value", ValueError("a stored value does not verify (checksum, format or NaN)"),
+                         "each is deleted and counted as a miss")
+            self._delete_if(layer, ns, key, bytes(blob))
+        return entry
 
     def put(self, layer: int, namespace: tuple, key: int, entry: CacheEntry) -> bool:
         if not self._available():
             return False
-        return self._put(layer, namespace_id(namespace), _signed(key), encode_entry(entry, self.settings.dtype))
+        if not (np.isfinite(entry.output).all() and np.isfinite(entry.residual).all()):
+            return False          # a hit may serve only what a computation could have returned
+        ns, key = namespace_id(namespace), _signed(key)
+        return self._put(layer, ns, key, encode_entry(entry, self.settings.dtype, value_address(ns, layer, key)))
 
     def occupancy(self, n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(keys, entries, bytes, evictions, dropped) per layer over the whole store (every model in it)."""
@@ -159,8 +201,11 @@ class L3Store:
 
     def clear(self) -> None: ...
     def close(self) -> None: ...
-    def _get(self, layer: int, ns: int, key: int) -> CacheEntry | None: ...
+    def _get(self, layer: int, ns: int, key: int) -> bytes | None: ...
     def _put(self, layer: int, ns: int, key: int, blob: bytes) -> bool: ...
+
+    def _delete_if(self, layer: int, ns: int, key: int, blob: bytes) -> None:
+        """Delete the value at the address if it is still `blob` (another writer may have replaced it)."""
 
 
 # ----------------------------------------------------------------------------------------------- SQLite
@@ -198,6 +243,7 @@ class SqliteL3(L3Store):
         # by this process's writes in between, so a statistics poll does not scan the table each time.
         self._occ: dict[int, list[int]] | None = None
         self._occ_time = 0.0
+        self._opened_id: tuple[int, int] | None = None    # the file (not the name) the connection has open
         with self._lock:
             self._open()
 
@@ -207,7 +253,9 @@ class SqliteL3(L3Store):
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+        with _file_lock(self._lock_path, exclusive=False):     # not while another process is rebuilding
+            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            self._opened_id = _file_id(self.path)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -234,23 +282,36 @@ class SqliteL3(L3Store):
             self._report("unavailable", exc, f"skipped for {RETRY_AFTER:.0f} s")
             self._skip()
 
-    def _rebuild(self, exc: BaseException) -> None:
-        """Move a corrupt database aside and start an empty one; if even that fails, run without L3."""
-        self._report("corrupt", exc, f"moved aside to {self.path.name}.corrupt and rebuilt")
+    @property
+    def _lock_path(self) -> Path:
+        return Path(f"{self.path}.lock")
+
+    def _drop_connection(self) -> None:
         if self._conn is not None:
             try:
                 self._conn.close()
             except sqlite3.Error:
                 pass
             self._conn = None
+        self._touched.clear()
+        self._occ = None
+
+    def _rebuild(self, exc: BaseException) -> None:
+        """Move a corrupt database aside and start an empty one; if even that fails, run without L3. When the
+        file is no longer the one this process opened, another process has rebuilt it already: reopen that."""
+        opened = self._opened_id
+        self._drop_connection()
         try:
-            for suffix in ("", "-wal", "-shm"):
-                p = Path(f"{self.path}{suffix}")
-                if p.exists():
-                    os.replace(p, f"{self.path}.corrupt{suffix}")
+            with _file_lock(self._lock_path, exclusive=True):
+                if _file_id(self.path) != opened:
+                    self._report("replaced", exc, "another process rebuilt it; reopened")
+                else:
+                    self._report("corrupt", exc, f"moved aside to {self.path.name}.corrupt and rebuilt")
+                    for suffix in ("", "-wal", "-shm"):
+                        p = Path(f"{self.path}{suffix}")
+                        if p.exists():
+                            os.replace(p, f"{self.path}.corrupt{suffix}")
             self._conn = self._connect()
-            self._touched.clear()
-            self._occ = None
         except (sqlite3.Error, OSError) as again:
             self._report("unrecoverable", again, "the persistent cache is off for this run")
             self._conn = None
@@ -270,6 +331,10 @@ class SqliteL3(L3Store):
             self._rebuild(exc)
 
     def _conn_or_none(self) -> sqlite3.Connection | None:
+        if self._conn is not None and _file_id(self.path) != self._opened_id:
+            # Another process moved the file aside and rebuilt it (or it was deleted): share the new one.
+            self._report("replaced", FileNotFoundError(f"{self.path} is not the file opened"), "reopened")
+            self._drop_connection()
         if self._conn is None and self._available():
             self._open()
         return self._conn
@@ -287,14 +352,26 @@ class SqliteL3(L3Store):
                 return None
             if row is None:
                 return None
-            entry = decode_entry(row[0])
-            if entry is None:
-                self._report("bad value", ValueError("an entry is not a value of this format"), "treated as a miss")
-                return None
             self._touched[(ns, layer, key)] = time.time_ns()
             if len(self._touched) >= self.TOUCH_BATCH:
                 self._flush_touches(conn)
-            return entry
+            return row[0]
+
+    def _delete_if(self, layer, ns, key, blob):
+        with self._lock:
+            conn = self._conn_or_none()
+            if conn is None:
+                return
+            self._touched.pop((ns, layer, key), None)
+            try:
+                gone = conn.execute("DELETE FROM entries WHERE ns=? AND layer=? AND key=? AND value=?",
+                                    (ns, layer, key, blob)).rowcount
+            except sqlite3.Error as exc:
+                self._failed(exc)
+                return
+            if gone:
+                self._bytes -= len(blob)
+                self._count(layer, -1, -len(blob))
 
     def _flush_touches(self, conn) -> None:
         if not self._touched:
@@ -418,6 +495,39 @@ class SqliteL3(L3Store):
                 self._conn = None
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file now at `path`: which file, not which name (None when there is none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextmanager
+def _file_lock(path: Path, exclusive: bool):
+    """An advisory lock shared by the processes using one store: exclusive to rebuild it, shared to open it."""
+    try:
+        import fcntl
+    except ImportError:      # Windows: msvcrt has only exclusive locks, taken for both
+        fcntl = None
+    with open(path, "a+b") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        else:                # pragma: no cover - Windows
+            import msvcrt
+            fh.seek(0)
+            msvcrt.locking(fh.fileno(), msvcrt.LK_LOCK, 1)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            else:            # pragma: no cover - Windows
+                fh.seek(0)
+                msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+
+
 def _is_locked(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "locked" in text or "busy" in text
@@ -461,6 +571,18 @@ end
 return evicted
 """
 
+# Deletes a bad value only if it is still the one read (a writer may have replaced it since), keeping the counts.
+_REDIS_DELETE_IF = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local size = string.len(ARGV[1])
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], KEYS[1])
+redis.call('HINCRBY', KEYS[3], 'e' .. ARGV[2], -1)
+redis.call('HINCRBY', KEYS[3], 'b' .. ARGV[2], -size)
+redis.call('HINCRBY', KEYS[3], 'total', -size)
+return 1
+"""
+
 
 class RedisL3(L3Store):
     """L3 on a Redis server: every process using the same URL and prefix shares the entries.
@@ -483,6 +605,7 @@ class RedisL3(L3Store):
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30)
         self._get_script = self.client.register_script(_REDIS_GET)
         self._put_script = self.client.register_script(_REDIS_PUT)
+        self._delete_script = self.client.register_script(_REDIS_DELETE_IF)
         self._lru, self._clock, self._stats = (f"{prefix}:lru", f"{prefix}:clock", f"{prefix}:stats")
 
     @property
@@ -506,12 +629,13 @@ class RedisL3(L3Store):
         except self._redis.exceptions.RedisError as exc:
             self._failed(exc)
             return None
-        if blob is None:
-            return None
-        entry = decode_entry(blob)
-        if entry is None:
-            self._report("bad value", ValueError("an entry is not a value of this format"), "treated as a miss")
-        return entry
+        return blob
+
+    def _delete_if(self, layer, ns, key, blob):
+        try:
+            self._delete_script(keys=[self._key(layer, ns, key), self._lru, self._stats], args=[blob, layer])
+        except self._redis.exceptions.RedisError as exc:
+            self._failed(exc)
 
     def _put(self, layer, ns, key, blob):
         try:

@@ -46,19 +46,29 @@ class NearMiss:
     candidates: int             # stored entries it was compared with
     overlap: float              # best |A ∩ B| / K among them (nan when none carries a bitset)
     cosine: float               # best residual cosine
-    served: bool                # a guard at tau would have served the cosine-nearest entry
-    error: float                # |out - nearest.output| / |out| for the cosine-nearest entry
+    served: bool                # a cosine guard at tau (walk.HitRule "cosine": norms within 5%) accepts an entry
+    error: float                # |out - e.output| / |out| for the entry the guard would serve (else the nearest)
     tau: float
 
 
 def nearest(layer: int, x: np.ndarray, out: np.ndarray, bits: np.ndarray, top_k: int, entries: list,
             tau: float) -> NearMiss | None:
-    """The nearest of `entries` (CacheEntry-like: residual, output, features) to the miss (x, out, bits)."""
+    """The nearest of `entries` (CacheEntry-like: residual, output, features) to the miss (x, out, bits).
+
+    `served` applies the cache's own cosine guard (walk.HitRule "cosine"): cos >= tau with the norms within
+    GUARD_NORM_TOLERANCE, over every entry (as if the key had put them all in one bucket)."""
+    # walk.py imports this module: its guard's constant is read at call time.
+    from larql_desktop.engine.cache.walk import GUARD_NORM_TOLERANCE
+
     if not entries:
         return None
     residuals = np.stack([e.residual for e in entries])
-    cos = residuals @ x / (np.linalg.norm(residuals, axis=1) * float(np.linalg.norm(x)) + 1e-30)
-    best = int(np.argmax(cos))
+    norms, nx = np.linalg.norm(residuals, axis=1), float(np.linalg.norm(x))
+    cos = residuals @ x / (norms * nx + 1e-30)
+    guardable = np.abs(nx / np.maximum(norms, 1e-30) - 1.0) <= GUARD_NORM_TOLERANCE
+    accepted = np.where(guardable & (cos >= tau), cos, -np.inf)
+    served = bool(np.isfinite(accepted).any())
+    best = int(np.argmax(accepted)) if served else int(np.argmax(cos))
     with_bits = [e.features for e in entries if e.features is not None]
     if with_bits:
         shared = np.bitwise_count(np.stack(with_bits) & bits).sum(axis=1, dtype=np.int64)
@@ -66,8 +76,7 @@ def nearest(layer: int, x: np.ndarray, out: np.ndarray, bits: np.ndarray, top_k:
     else:
         overlap = float("nan")
     error = float(np.linalg.norm(out - entries[best].output)) / (float(np.linalg.norm(out)) + 1e-30)
-    best_cos = float(cos[best])
-    return NearMiss(layer, len(entries), overlap, best_cos, best_cos >= tau, error, tau)
+    return NearMiss(layer, len(entries), overlap, float(cos.max()), served, error, tau)
 
 
 class NearMissSampler:

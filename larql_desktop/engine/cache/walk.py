@@ -9,6 +9,8 @@ Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's ow
   * entries are namespaced by model checksum, K, key width, patch epoch and the graphs' numerics, so a hit
     never serves an output computed under another model, K, patch state or version of the graphs;
   * `lru` eviction and a byte budget besides the seed's `drop` policy; overwriting a key is never dropped;
+  * a hit is served only when the entry was computed from (nearly) the same input (`HitRule`): the seed's
+    key alone lets a request for 3x store its output where the next request for x finds it;
   * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
   * a verify mode that recomputes a fraction of hits and records the error a hit really carries;
   * an optional L3 (engine/l3.py: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
@@ -16,6 +18,7 @@ Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's ow
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -103,6 +106,52 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b) / (float(np.linalg.norm(a)) * float(np.linalg.norm(b)) + 1e-30)
 
 
+# The default bound on |x - x0| / |x| for serving an entry stored for x0 to the input x. Measured (tests in
+# tests/test_integrity.py, on the real FFN inputs of three prompts at every layer): every exact-repeat hit so far
+# (regenerate, the restart from an fp32 L3, the Qt panels' repeats) is at distance 0.0 exactly, as the same
+# tokens give bit-identical residuals; an fp16 L3 stores x0 rounded to half precision, at up to 3.7e-4 (SmolLM2)
+# and 3.6e-4 (Gemma 3), and its hits must still hit. A residual scaled by 3 is at 0.67, by 1e20 at 1.0, and the
+# closest distinct residuals sharing a feature key (key width 1: 1,638 and 1,488 such pairs) are at 9.8e-3
+# (SmolLM2) and 8.6e-2 (Gemma 3). So 1e-3 keeps every exact and half-precision repeat (2.7x margin), refuses
+# every scaled or foreign input (10x margin or more), and what a hit may differ from a fresh computation is of
+# the size of fp16 storage rounding.
+DEFAULT_MAX_DISTANCE = 1e-3
+# The cosine guard is an angle test: alone it accepts 3x or 1e20x the input. The guard also needs the norms
+# within 5% of each other (an FFN output grows about with the square of its input's scale, so ~10% at most).
+GUARD_NORM_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class HitRule:
+    """When an entry stored for the input x0 may serve the input x (both (d,) float32).
+
+    Default (`near`): |x - x0| <= max_distance * |x|. `cosine`: the user's approximate option, cos(x, x0) >= tau
+    with the norms within GUARD_NORM_TOLERANCE. `feature_set`: the seed's semantics, any entry under the key
+    (for study only: unsafe with untrusted clients, who can then choose what others are served).
+    A non-finite x or x0 never passes `near` or `cosine`."""
+    mode: str = "near"
+    max_distance: float = DEFAULT_MAX_DISTANCE
+    tau: float | None = None
+
+    def closeness(self, x: np.ndarray, x0: np.ndarray) -> float | None:
+        """None when x0's entry may not serve x; else a score, higher for a closer x0 (picks within a bucket)."""
+        if self.mode == "feature_set":
+            return 0.0
+        if self.mode == "cosine":
+            nx, n0 = float(np.linalg.norm(x)), float(np.linalg.norm(x0))
+            if not (n0 > 0.0 and abs(nx / n0 - 1.0) <= GUARD_NORM_TOLERANCE):
+                return None
+            cos = float(x @ x0) / (nx * n0)
+            return cos if cos >= self.tau else None
+        diff = x - x0
+        distance_sq, norm_sq = float(diff @ diff), float(x @ x)
+        # Compared squared: no square root on the hit path. NaN compares False, and a norm beyond float32
+        # (inf <= inf would pass) is refused, so a non-finite or overflowing input misses.
+        if distance_sq <= self.max_distance * self.max_distance * norm_sq and norm_sq < math.inf:
+            return -distance_sq
+        return None
+
+
 class CacheTier:
     """One cache tier: per-layer maps from (namespace, feature key) to a small bucket of entries.
 
@@ -136,23 +185,25 @@ class CacheTier:
     def _valid_layer(self, layer: int) -> bool:
         return 0 <= layer < self.n_layers
 
-    def lookup(self, layer: int, key, x: np.ndarray | None, tau: float | None) -> CacheEntry | None:
-        """The entry for `key`; with a cosine guard `tau`, the bucket's entry most similar to x if >= tau."""
+    def lookup(self, layer: int, key, x: np.ndarray | None, rule: HitRule | None) -> CacheEntry | None:
+        """The bucket's entry under `key` that `rule` lets serve x, the closest if several do; rule None: the
+        newest entry under the key, whatever its input (for callers that check the input themselves)."""
         if not self._valid_layer(layer):
             return None
         with self._lock:
             bucket = self._layers[layer].get(key)
             if bucket is None:
                 return None
-            if self.settings.policy == "lru":
+            if rule is None:
+                best = bucket[-1]
+            else:
+                best, best_score = None, None
+                for entry in reversed(bucket):        # newest first: ties go to the newest
+                    score = rule.closeness(x, entry.residual)
+                    if score is not None and (best_score is None or score > best_score):
+                        best, best_score = entry, score
+            if best is not None and self.settings.policy == "lru":
                 self._layers[layer].move_to_end(key)
-            if tau is None:
-                return bucket[-1]
-            best, best_cos = None, tau
-            for entry in bucket:
-                cos = cosine(entry.residual, x)
-                if cos >= best_cos:
-                    best, best_cos = entry, cos
             return best
 
     def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
@@ -409,8 +460,14 @@ class WalkSettings:
     top_k: int | None = None          # None: the seed's ratio (79% of the intermediate size)
     dense: bool = False               # plain dense FFN, no KNN, no cache
     key_width: int | None = None      # k' <= K ids in the key; None = K (the seed)
-    cosine_guard: float | None = None  # tau: a hit needs cos(x, x0) >= tau
+    cosine_guard: float | None = None  # tau: a hit needs cos(x, x0) >= tau (and norms within 5%): approximate
     bucket_size: int = 4              # entries per key when the guard is on
+    # Without a guard, a hit needs |x - x0| <= max_distance * |x| (see DEFAULT_MAX_DISTANCE for the measurement).
+    max_distance: float = DEFAULT_MAX_DISTANCE
+    # The seed's pure feature-set semantics: any entry under the key is served, whatever input made it. For
+    # study only: UNSAFE with untrusted clients (an HTTP client could choose what the app's chats are served),
+    # so API requests never run with it.
+    feature_set_hits: bool = False
     verify_fraction: float = 0.0      # share of hits recomputed to measure their error
     verify_seed: int = 0
     # "bypass": the seed's rule, layers with INSERT overrides skip L1 and L2. "per_feature": such a layer
@@ -431,6 +488,8 @@ class WalkSettings:
             raise ValueError(f"key width must be at least 1, not {self.key_width}")
         if self.cosine_guard is not None and not (-1.0 <= self.cosine_guard <= 1.0):
             raise ValueError(f"cosine guard must be within [-1, 1], not {self.cosine_guard}")
+        if not 0.0 <= self.max_distance <= 1.0:       # NaN fails too
+            raise ValueError(f"maximum input distance must be within [0, 1], not {self.max_distance}")
         if not 1 <= self.bucket_size <= 256:
             raise ValueError(f"bucket size must be between 1 and 256, not {self.bucket_size}")
         if not 0.0 <= self.verify_fraction <= 1.0:
@@ -450,6 +509,14 @@ class WalkSettings:
         if width > k:
             raise ValueError(f"key width {width} exceeds K={k}")
         return replace(self, top_k=k, key_width=width)
+
+    @property
+    def hit_rule(self) -> HitRule:
+        if self.cosine_guard is not None:
+            return HitRule("cosine", tau=self.cosine_guard)
+        if self.feature_set_hits:
+            return HitRule("feature_set")
+        return HitRule("near", max_distance=self.max_distance)
 
 
 class FfnGraphs(Protocol):
@@ -477,9 +544,9 @@ class PersistentTierView:
     def occupancy(self):
         return self._store.occupancy(self.n_layers)
 
-    def lookup(self, layer: int, key, x: np.ndarray, tau: float | None) -> CacheEntry | None:
+    def lookup(self, layer: int, key, x: np.ndarray, rule: HitRule | None) -> CacheEntry | None:
         entry = self._store.get(layer, key[0], key[1])
-        if entry is not None and tau is not None and cosine(entry.residual, x) < tau:
+        if entry is not None and rule is not None and rule.closeness(x, entry.residual) is None:
             return None
         return entry
 
@@ -508,6 +575,7 @@ class WalkFfn:
         self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
         self.settings = settings.resolved(intermediate)
+        self._hit_rule = self.settings.hit_rule
         self.model_checksum = model_checksum
         self.l1, self.l2 = l1, l2
         self.stats = stats
@@ -653,11 +721,11 @@ class WalkFfn:
         if self.key_log is not None:
             self.key_log.append((layer, key))
         x0 = x[0]
-        tau = s.cosine_guard
-        bucket = s.bucket_size if tau is not None else 1
+        rule = self._hit_rule
+        bucket = s.bucket_size if s.cosine_guard is not None else 1
         results = []
         for i, tier in enumerate(tiers):
-            entry = tier.lookup(layer, key, x0, tau)
+            entry = tier.lookup(layer, key, x0, rule)
             results.append((tier.name, entry is not None))
             if entry is not None:
                 for upper in tiers[:i]:           # a hit fills the tiers above it
@@ -667,12 +735,16 @@ class WalkFfn:
                     self._verify(layer, x, scores, self.mask_from(picks, scores), entry)   # not timed
                 return entry.output[None, :].copy()
         out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
-        bits = None if self.near_miss is None else self.near_miss.bits(picks[0])
-        entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
-        for tier in tiers:
-            tier.store(layer, key, entry, bucket)
+        # An overflowed output (an absurd input, a broken graph) is returned as computed but never stored: a
+        # cache holds only what a later hit may serve.
+        entry = None
+        if np.isfinite(out).all():
+            bits = None if self.near_miss is None else self.near_miss.bits(picks[0])
+            entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
+            for tier in tiers:
+                tier.store(layer, key, entry, bucket)
         self._record(layer, "miss", started, tier_results=tuple(results))
-        if self.near_miss is not None:
+        if self.near_miss is not None and entry is not None:
             self.near_miss.after_miss(layer, started, x0, out[0], entry, tiers, key[0], self.stats)
         return out
 

@@ -11,7 +11,14 @@ def read_json(path: str | Path, what: str, error: type[Exception] = ValueError):
         data = Path(path).read_bytes()
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror}") from exc
+    return parse_json(data, str(path), error)
+
+
+def parse_json(data: bytes | str, where: str, error: type[Exception] = ValueError):
+    """json.loads with the errors a user can act on: invalid JSON, or nesting too deep for the parser."""
     try:
         return json.loads(data)
     except ValueError as exc:   # also bad UTF-8
-        raise error(f"{path}: not valid JSON ({exc})") from exc
+        raise error(f"{where}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:   # json recurses once per nested array or object
+        raise error(f"{where}: JSON nested too deeply (no file this app reads nests beyond a few levels)") from exc

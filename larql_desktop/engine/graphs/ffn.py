@@ -6,8 +6,8 @@ second (plus a fused dense graph, gate and walk without the mask, for the dense 
   walk graph  x (T, d), scores (T, F), mask (T|1, F) -> out (T, d)  out = W_down @ (mask * act(scores) * (W_up x))
 The dense FFN is the walk with an all-ones mask. Weights stay in the GGUF's own blocks (MatMulNBits with the
 exact scales and zero points), so the graphs compute with the same weights as the GGUF, not a requantised copy.
-Files live under <cache>/onnx/<gguf sha256>/ with a manifest of their own checksums (graph_store.GraphStore):
-a corrupt or missing file is detected at load and rebuilt.
+Files live under <cache>/onnx/<gguf sha256>/ with a manifest of their own digests (graphs.store.GraphStore):
+a corrupt or missing file is detected at load (its whole content is hashed) and rebuilt.
 """
 from __future__ import annotations
 
@@ -134,7 +134,6 @@ class OnnxFfn:
                  threads: int = 2, progress: Progress | None = None):
         self.config = config
         self.gguf = gguf
-        self.numerics = f"onnx-ffn-{EXPORT_FORMAT}"   # cache entries made by other graphs are not served
         self.directory = Path(onnx_root) / checksum
         self._store = GraphStore(self.directory, "manifest.json", EXPORT_FORMAT, progress)
         self.rebuilt = self._store.rebuilt   # files exported (or re-exported because missing/corrupt) by this load
@@ -148,6 +147,9 @@ class OnnxFfn:
                                    (layer + 0.5) / n)
                 files[kind].append((name, build))
         self._store.save()
+        # Cache entries made by other graphs are never served: the export format, and the content of these very
+        # files (an L3 entry computed before a graph file was found corrupt and rebuilt is not reached after).
+        self.numerics = f"onnx-ffn-{EXPORT_FORMAT}-{self._store.digest(n for f in files.values() for n, _ in f)}"
         opts = partial(session_options, threads)
         self._gate, self._walk, self._dense = (LazySessions(self._store, files[kind], opts)
                                                for kind in ("gate", "walk", "dense"))

@@ -1,11 +1,13 @@
 """Exported ONNX graphs on disk: one folder per GGUF checksum, a manifest per family of graphs.
 
 Every family (the FFN graphs, the attention/head graphs, the whole-model decoder) keeps its files under
-<cache>/onnx/<gguf sha256>/ and lists each file's sha256, size and modification time in its own manifest,
-stamped with the family's export format. A file whose size or modification time differs from its entry is
-hashed again: one whose hash does not match (missing, truncated, rewritten, from an older format) is exported
-again from the GGUF, and so is one that onnxruntime refuses to load. Unchanged files are not re-hashed at
-every start: hashing Gemma's graphs cost 0.4 s of a 2 s load.
+<cache>/onnx/<gguf sha256>/ and lists each file's xxh3-128 digest and size in its own manifest, stamped with the
+family's export format. Every load hashes every file's whole content (xxh3 runs at several GB/s, so this costs a
+fraction of a second per model: see tests/test_integrity.py): a file whose digest does not match (missing,
+truncated, bytes flipped even with its size and modification time put back, from an older format) is exported
+again from the GGUF, and so is one that onnxruntime refuses to load. Within one process a file verified once is
+not hashed again while its identity and change time (ctime, which no one can set back) stay the same.
+`digest(names)` names the content of a set of files: part of the cache namespace of what they compute.
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import json
 import logging
 import os
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnx
+import xxhash
 import onnxruntime as ort
 from onnx import helper
 
@@ -95,8 +99,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _sha256_file(path: Path) -> str | None:
-    digest = hashlib.sha256()
+def _hash_file(path: Path, digest) -> str | None:
     try:
         with open(path, "rb") as fh:
             while chunk := fh.read(1 << 22):
@@ -104,6 +107,16 @@ def _sha256_file(path: Path) -> str | None:
     except OSError:
         return None
     return digest.hexdigest()
+
+
+def file_digest(path: Path) -> str | None:
+    """xxh3-128 of the file's whole content (None when it cannot be read)."""
+    return _hash_file(path, xxhash.xxh3_128())
+
+
+def _identity(stat: os.stat_result) -> tuple:
+    """What changes whenever a file's bytes may have: a write updates ctime, and ctime cannot be set back."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 class GraphStore:
@@ -120,21 +133,35 @@ class GraphStore:
         self.export_format = export_format
         self.progress = progress
         self.rebuilt: list[str] = []
+        self.hashed_bytes = 0            # bytes hashed by this store (what verification cost)
+        self.hash_seconds = 0.0
         self._manifest = self._read_manifest()
         self._dirty = False
         self._lock = threading.Lock()
+        self._verified: dict[str, tuple] = {}   # name -> _identity of the file when its digest last matched
 
     def _read_manifest(self) -> dict[str, dict]:
         try:
             doc = json.loads(self.manifest_path.read_text())
             if doc.get("format") == self.export_format and isinstance(doc.get("files"), dict):
+                # Manifests of earlier versions hold sha256 digests: checked once, then recorded as xxh3.
                 return {name: entry for name, entry in doc["files"].items()
-                        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str)}
+                        if isinstance(entry, dict) and isinstance(entry.get("xxh3", entry.get("sha256")), str)}
         except (OSError, ValueError, AttributeError):
             pass
         return {}
 
+    def _digest_of(self, path: Path, kind: str) -> str | None:
+        started = time.perf_counter()
+        digest = file_digest(path) if kind == "xxh3" else _hash_file(path, hashlib.sha256())
+        with self._lock:
+            self.hash_seconds += time.perf_counter() - started
+            self.hashed_bytes += path.stat().st_size if digest is not None else 0
+        return digest
+
     def is_valid(self, name: str) -> bool:
+        """Whether the file's whole content matches its manifest digest (hashed unless this process verified
+        the very same file, unchanged since)."""
         entry = self._manifest.get(name)
         if entry is None:
             return False
@@ -143,14 +170,28 @@ class GraphStore:
             stat = path.stat()
         except OSError:
             return False
-        if stat.st_size == entry.get("size") and stat.st_mtime_ns == entry.get("mtime_ns"):
+        if self._verified.get(name) == _identity(stat):
             return True
-        if stat.st_size != entry.get("size") or _sha256_file(path) != entry["sha256"]:
+        if stat.st_size != entry.get("size"):
             return False
-        with self._lock:     # same bytes, touched: remember the new time so it is not hashed again
-            self._manifest[name] = dict(entry, mtime_ns=stat.st_mtime_ns)
-            self._dirty = True
+        kind = "xxh3" if "xxh3" in entry else "sha256"
+        if self._digest_of(path, kind) != entry[kind]:
+            return False
+        with self._lock:
+            if kind != "xxh3":     # the old fields stay: an older version of the app still trusts the file
+                self._manifest[name] = dict(entry, xxh3=file_digest(path))
+                self._dirty = True
+            self._verified[name] = _identity(stat)
         return True
+
+    def digest(self, names) -> str:
+        """One digest of the recorded content of these files: changes when any of them does."""
+        h = xxhash.xxh3_64()
+        with self._lock:
+            for name in sorted(names):
+                entry = self._manifest.get(name, {})
+                h.update(f"{name}\0{entry.get('xxh3', entry.get('sha256', ''))}\0".encode())
+        return h.hexdigest()
 
     def export(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
                fraction: float = 0.0) -> Path:
@@ -159,16 +200,17 @@ class GraphStore:
         data = build().SerializeToString()
         path = self.directory / name
         write_atomic(path, data)
-        self._record(name, hashlib.sha256(data).hexdigest())
+        self._record(name, xxhash.xxh3_128_hexdigest(data))
         with self._lock:
             self.rebuilt.append(name)
         return path
 
-    def _record(self, name: str, sha256: str) -> None:
-        """The manifest entry of a file just written: its hash, and the size and time that vouch for it."""
+    def _record(self, name: str, digest: str) -> None:
+        """The manifest entry of a file just written: its digest and size."""
         stat = (self.directory / name).stat()
         with self._lock:
-            self._manifest[name] = {"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            self._manifest[name] = {"xxh3": digest, "size": stat.st_size}
+            self._verified[name] = _identity(stat)
             self._dirty = True
 
     def ensure(self, name: str, build: Callable[[], onnx.ModelProto], message: str | None = None,
@@ -186,7 +228,9 @@ class GraphStore:
     def session(self, name: str, build: Callable[[], onnx.ModelProto], make_opts: Callable[[], ort.SessionOptions],
                 message: str | None = None, fraction: float = 0.0, verified: bool = False,
                 optimized: bool = False) -> ort.InferenceSession:
-        """A session on the file `name`; `verified` skips the check (done by an earlier `ensure`).
+        """A session on the file `name`, checked first. `verified`: an earlier `ensure` checked it, so it is
+        hashed again only if it changed since (a session made later, on first use, never trusts a file that
+        was rewritten after the load's check).
 
         `optimized`: on onnxruntime's own optimised copy of the file, made by the first load from the exported
         file, which it then replaces (its weights as external data; named per onnxruntime version, as the copy
@@ -196,7 +240,7 @@ class GraphStore:
         export if need be."""
         if optimized:
             return self._optimized_session(name, build, make_opts, message, fraction)
-        path = self.directory / name if verified else self.ensure(name, build, message, fraction)
+        path = self.ensure(name, build, message, fraction)
         try:
             return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
         except Exception:       # unreadable despite a matching hash: rebuild it
@@ -263,7 +307,7 @@ class GraphStore:
             os.replace(staging / data, self.directory / data)
             os.replace(staging / copy, self.directory / copy)
             for file in (data, copy):
-                self._record(file, _sha256_file(self.directory / file))
+                self._record(file, file_digest(self.directory / file))
             return session
         finally:
             for leftover in staging.glob("*"):

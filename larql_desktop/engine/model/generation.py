@@ -10,6 +10,12 @@ import numpy as np
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel
 
 
+# The smallest temperature above 0 (greedy): float64's smallest normal number. The sampler shifts logits
+# before dividing, so any normal temperature however small is greedy in effect; a subnormal one (1e-310) has
+# lost its precision and its reciprocal overflows: refused when the settings are made, not when sampling.
+MIN_TEMPERATURE = float(np.finfo(np.float64).tiny)
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     max_tokens: int = 256
@@ -31,6 +37,9 @@ class SamplingSettings:
             raise ValueError(f"max tokens must be between 1 and 1000000, not {self.max_tokens}")
         if not (np.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be between 0 and 100, not {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:.4g} (a normal "
+                             f"float), not {self.temperature:g}")
         if not (np.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top-p must be in (0, 1], not {self.top_p}")
         if not 0 <= self.top_k <= 1_000_000:
@@ -45,6 +54,9 @@ class SamplingSettings:
             value = getattr(self, name)
             if not (np.isfinite(value) and -2.0 <= value <= 2.0):
                 raise ValueError(f"{name.replace('_', ' ')} must be in [-2, 2], not {value}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, not {self.seed!r}")
 
     @property
     def penalised(self) -> bool:
@@ -70,6 +82,10 @@ class Sampler:
         """The next token from `logits`; `context`: the token ids so far (prompt and reply), `reply`: the
         reply's own (both only read when a penalty is set)."""
         s = self.settings
+        if not np.isfinite(logits).all():
+            # argmax of NaNs is token 0, often a stop token: the reply would end empty, and look like one.
+            raise FloatingPointError("the model computed non-finite logits (a damaged graph or weight file?); "
+                                     "no token can be sampled")
         if s.penalised:
             logits = self._penalise(logits, context, reply)
         if s.temperature == 0.0:

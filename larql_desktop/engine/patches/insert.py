@@ -172,7 +172,9 @@ class Inserter:
         cfg = self.model.config
         if layer is not None and not 0 <= layer < cfg.n_layers:
             raise ValueError(f"layer must be within 0..{cfg.n_layers - 1}, not {layer}")
-        if not (np.isfinite(alpha) and 0 < alpha <= 100):
+        if not np.isfinite(alpha):
+            raise ValueError(f"alpha must be a finite number (NaN and infinity are not), not {alpha}")
+        if not 0 < alpha <= 100:
             raise ValueError(f"alpha must be in (0, 100], not {alpha}")
         if layer is not None:
             candidates = [layer]

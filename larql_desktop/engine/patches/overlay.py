@@ -30,6 +30,15 @@ class PatchError(ValueError):
     """A patch that cannot be applied; nothing was changed."""
 
 
+# The largest magnitude of any patch value (vector element or gate bias), checked after conversion to float32
+# (the precision the overlay computes in: 1e300 is finite as a 64-bit float and infinite as a 32-bit one).
+# Why 1e6: the FFN input of these models is an RMS-normed vector, so |x| <= sqrt(d) * max|norm weight|, a few
+# hundred at most (see api/server.py); with every value within 1e6 a vector of d <= 4096 values has a norm
+# <= 6.4e7, so a gate score or up projection stays below ~1e11 and one feature's output below ~1e30, far under
+# float32's 3.4e38 even summed over every feature. INSERT writes values under 1e4 (alpha <= 100).
+MAX_PATCH_VALUE = 1e6
+
+
 def encode_vector(v: np.ndarray) -> str:
     return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
 
@@ -46,6 +55,10 @@ def decode_vector(text, length: int, where: str) -> np.ndarray:
     v = np.frombuffer(raw, dtype="<f4").astype(np.float32)
     if not np.isfinite(v).all():
         raise PatchError(f"{where}: vector contains NaN or infinity")
+    largest = float(np.abs(v).max(initial=0.0))
+    if largest > MAX_PATCH_VALUE:
+        raise PatchError(f"{where}: a value of magnitude {largest:.3g} exceeds the limit of {MAX_PATCH_VALUE:g} "
+                         "(the FFN output would overflow float32)")
     return v
 
 
@@ -143,9 +156,19 @@ def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum:
         vectors = {name: decode_vector(o[name], hidden, f"{where} {name}") if name in o else None
                    for name in ("gate", "up", "down")}
         bias = o.get("gate_bias")
-        if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float))
-                                 or not np.isfinite(bias)):
-            raise PatchError(f"{where}: gate_bias must be a finite number, not {bias!r}")
+        if bias is not None:
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise PatchError(f"{where}: gate_bias must be a finite number, not {bias!r}")
+            try:
+                with np.errstate(over="ignore"):
+                    bias32 = np.float32(bias)
+            except OverflowError:        # an integer beyond any float
+                bias32 = np.float32(np.inf)
+            if not np.isfinite(bias32):
+                raise PatchError(f"{where}: gate_bias must be a finite 32-bit float, not {bias!r}")
+            if abs(float(bias32)) > MAX_PATCH_VALUE:
+                raise PatchError(f"{where}: gate_bias {bias!r} exceeds the limit of {MAX_PATCH_VALUE:g} in "
+                                 "magnitude (the FFN output would overflow float32)")
         if kind == "insert" and any(v is None for v in vectors.values()):
             raise PatchError(f"{where}: an insert needs gate, up and down vectors")
         if kind == "update" and all(v is None for v in vectors.values()) and bias is None:
