@@ -99,7 +99,7 @@ class MainWindow(QMainWindow):
         self.sampling.changed.connect(self._on_sampling_changed)
         self.sampling.system_prompt_changed.connect(self._on_system_prompt_changed)
         self.chats_panel = ChatsPanel()
-        self.chats_dock = self.add_panel("Chats", self.chats_panel, Qt.LeftDockWidgetArea, shortcut="Ctrl+Shift+H")
+        self.chats_dock = self.add_panel("Chats", self.chats_panel, shortcut="Ctrl+Shift+H")
         self.chats_panel.open_requested.connect(self.open_saved_chat)
         self.chats_panel.rename_requested.connect(self.rename_chat)
         self.chats_panel.delete_requested.connect(self.delete_chat)

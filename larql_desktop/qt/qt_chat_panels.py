@@ -6,8 +6,8 @@ import time
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QPushButton, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout,
-                               QWidget)
+                               QListWidgetItem, QSplitter, QTableWidget, QTableWidgetItem, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from larql_desktop.engine.chats import ChatSummary
 
@@ -31,9 +31,10 @@ class ChatsPanel(QWidget):
         self.list.setAccessibleName("Saved chats")
         self.list.itemActivated.connect(lambda item: self.open_requested.emit(item.data(Qt.UserRole)))
         buttons = QHBoxLayout()
-        for text, signal in (("Open", self.open_requested), ("Rename…", self.rename_requested),
+        for text, signal in (("Open", self.open_requested), ("Rename", self.rename_requested),
                              ("Delete", self.delete_requested)):
-            button = QPushButton(text)
+            button = QToolButton()   # compact: the panel shares the right-hand dock with the others
+            button.setText(text)
             button.setAccessibleName(f"{text.rstrip('…')} chat")
             button.clicked.connect(lambda _=False, s=signal: self._emit_selected(s))
             buttons.addWidget(button)
@@ -68,6 +69,12 @@ class ChatsPanel(QWidget):
         return [self.list.item(i).data(Qt.UserRole) for i in range(self.list.count())]
 
 
+def _wrapped(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    return label
+
+
 def _visible(text: str) -> str:
     return text.replace("\n", "\\n").replace("\t", "\\t") if text.strip() else repr(text)
 
@@ -90,12 +97,12 @@ class TokenView(QWidget):
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(0, 0, 0, 0)
-        right_layout.addWidget(QLabel("Top 5 (the model's probabilities at this step)"))
+        right_layout.addWidget(_wrapped("Top 5 (the model's probabilities at this step)"))
         right_layout.addWidget(self.alternatives)
         right_layout.addWidget(self.note)
-        right_layout.addWidget(QLabel("FFN per layer, in the pass this token was sampled from"))
+        right_layout.addWidget(_wrapped("FFN per layer, in the pass this token was sampled from"))
         right_layout.addWidget(self.layers, 1)
-        splitter = QSplitter(Qt.Horizontal)
+        splitter = QSplitter(Qt.Vertical)   # narrow: it shares the right-hand dock with the other panels
         splitter.addWidget(self.tokens)
         splitter.addWidget(right)
         splitter.setStretchFactor(1, 2)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from PySide6.QtCore import QSettings, QSignalBlocker, Signal
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QLabel, QPlainTextEdit, QSpinBox, QWidget)
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel, QPlainTextEdit, QScrollArea,
+                               QSpinBox, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.model.generation import PRESETS, SamplingSettings, apply_preset, preset_of
 
@@ -97,7 +98,8 @@ class SamplingPanel(QWidget):
         self.seed.setSpecialValueText("random")
         self.seed.setAccessibleName("Seed")
         self.seed.setToolTip("Fixes the random choices of sampling; 'random' draws a new seed each reply")
-        layout = QFormLayout(self)
+        form = QWidget()
+        layout = QFormLayout(form)
         layout.addRow("System prompt", self.system_prompt)
         layout.addRow("", self.default_prompt)
         layout.addRow("Preset", self.preset)
@@ -109,6 +111,13 @@ class SamplingPanel(QWidget):
         layout.addRow("Repeat penalty", self.repeat_penalty)
         layout.addRow("Stop strings", self.stop)
         layout.addRow("Seed", self.seed)
+        scroll = QScrollArea()   # scrolls rather than make the dock (and so the window) taller
+        scroll.setWidget(form)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.NoFrame)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(scroll)
         self.set_default_system_prompt(None)
         self.set_settings(SamplingSettings())
         for box in (self.max_tokens, self.temperature, self.top_p, self.top_k, self.min_p, self.repeat_penalty,
