@@ -160,7 +160,7 @@ def test_markdown_replies_copy_and_export(make_window, qtbot, tmp_path):
             code_blocks.append(block)
         block = block.next()
     assert code_blocks
-    fragment = next(iter(code_blocks[0].begin()), None) if False else code_blocks[0].begin().fragment()
+    fragment = code_blocks[0].begin().fragment()
     assert fragment.charFormat().fontFixedPitch()               # monospaced
     copied = win.copy_last_reply()
     assert QApplication.clipboard().text() == copied and "def " in copied and "```" not in copied
