@@ -97,9 +97,10 @@ def test_a_chat_survives_a_restart_with_its_system_prompt_and_settings(make_wind
     win.tabs.setCurrentWidget(tab)
     assert win.sampling.chat_system_prompt() == "You are a pirate. Answer briefly."
     win.close()
+    assert QSettings(str(home[1]), QSettings.IniFormat).value("models/last") == DEFAULT_MODEL
 
-    again = make_window()
-    assert again.client.model.key == DEFAULT_MODEL              # the last model came back
+    again = make_window()                                      # loads window.last_model(...)
+    assert again.client.model.key == DEFAULT_MODEL
     assert [t.session_id for t in again.chat_tabs()] == [chat_id]   # the empty chat was not kept
     restored = again.current_tab()
     assert restored.title == "Where is the treasure?" and restored.system_prompt == "You are a pirate. Answer briefly."

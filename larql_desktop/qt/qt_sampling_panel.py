@@ -99,7 +99,10 @@ class SamplingPanel(QWidget):
         self.seed.setAccessibleName("Seed")
         self.seed.setToolTip("Fixes the random choices of sampling; 'random' draws a new seed each reply")
         form = QWidget()
-        layout = QFormLayout(form)
+        column = QVBoxLayout(form)
+        layout = QFormLayout()
+        column.addLayout(layout)
+        column.addStretch(1)   # spare height below the fields, not between them
         layout.addRow("System prompt", self.system_prompt)
         layout.addRow("", self.default_prompt)
         layout.addRow("Preset", self.preset)
