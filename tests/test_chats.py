@@ -195,7 +195,7 @@ def test_stop_strings_end_the_text_before_them_across_tokens(smollm2):
     assert "and" not in streamed[ids.index(tok.encode(" and")[0])]   # a possible stop start is held back
 
 
-def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2):
+def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2, tmp_path):
     engine = LarqlEngine(smollm2)
     session = engine.new_session()
     steps = list(session.reply("Name a colour.", SamplingSettings(max_tokens=4)))
@@ -219,6 +219,24 @@ def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2):
     repeat = list(again.reply("Name a colour.", SamplingSettings(max_tokens=4)))
     assert [s.token_id for s in repeat] == [s.token_id for s in steps]
     assert all(o.outcome == "hit" and o.tier == "L2" for o in repeat[1].layers)   # the first chat filled L2
+
+    # Saved with the chat and read back for the token view (timings are not kept).
+    path = tmp_path / CHATS_FILE
+    store, _ = ChatStore.open(path)
+    chat = store.create_chat("Colour", {})
+    reply = store.begin_reply(chat)
+    reply.finish("".join(s.text for s in repeat), repeat)
+    store.close()
+    store, _ = ChatStore.open(path)
+    back = store.load(chat).messages[-1].tokens
+    store.close()
+    assert [(b.token_id, b.text, b.is_stop, b.index) for b in back] == \
+        [(s.token_id, s.text, s.is_stop, s.index) for s in repeat]
+    assert [[(a.token_id, a.text) for a in b.alternatives] for b in back] == \
+        [[(a.token_id, a.text) for a in s.alternatives] for s in repeat]
+    assert all(abs(a.probability - c.probability) < 1e-6 for b, s in zip(back, repeat)
+               for a, c in zip(b.alternatives, s.alternatives))
+    assert [b.layers for b in back] == [s.layers for s in repeat]
 
 
 def test_a_session_restored_from_saved_messages_continues_as_the_original(smollm2):

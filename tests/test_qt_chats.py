@@ -86,6 +86,8 @@ def test_a_chat_survives_a_restart_with_its_system_prompt_and_settings(make_wind
     win.sampling.stop.setPlainText("\\n\\n")
     first = send(qtbot, win, "Where is the treasure?")
     tab = win.current_tab()
+    first_tokens = list(tab.transcript.last.tokens)
+    assert first_tokens and all(len(e.alternatives) == 5 for e in first_tokens)
     chat_id = tab.session_id
     assert tab.title == "Where is the treasure?"              # titled by its first message
     expected = SamplingSettings(max_tokens=12, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
@@ -110,6 +112,10 @@ def test_a_chat_survives_a_restart_with_its_system_prompt_and_settings(make_wind
     assert [(t.role, t.text) for t in restored.transcript.turns] == [(USER, "Where is the treasure?"),
                                                                      (ASSISTANT, first.text)]
     assert again.regenerate_action.isEnabled()
+    # The reply's token details were saved with it: the token view shows what the first window saw.
+    again.show_last_reply_tokens()
+    assert [(e.token_id, [a.token_id for a in e.alternatives], e.layers) for e in again.token_view.events] == \
+        [(e.token_id, [a.token_id for a in e.alternatives], e.layers) for e in first_tokens]
     # Continuing it rebuilds the engine's session from the saved messages and system prompt.
     send(qtbot, again, "And the map?")
     session = again.client.worker.sessions[chat_id]

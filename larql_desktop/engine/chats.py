@@ -14,7 +14,10 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+from larql_desktop.engine.model.generation import Alternative, TokenStep
+from larql_desktop.engine.model.outcomes import LayerOutcome
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ CREATE TABLE IF NOT EXISTS messages (
     role TEXT NOT NULL,
     content TEXT NOT NULL,
     complete INTEGER NOT NULL DEFAULT 1,   -- 0: a reply still streaming, or cut off by a crash
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    tokens TEXT                             -- a finished reply's token details (JSON, see encode_tokens)
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 """
@@ -58,6 +62,7 @@ class StoredMessage:
     content: str
     complete: bool
     created: float
+    tokens: tuple[TokenStep, ...] = ()   # a reply's tokens with their alternatives and FFN outcomes, if kept
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,9 @@ def _connect(path: Path | str) -> sqlite3.Connection:
         if check != "ok":
             raise sqlite3.DatabaseError(f"integrity check failed: {check}")
         conn.executescript(_SCHEMA)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(messages)")}
+        if "tokens" not in columns:   # a file from before token details were kept
+            conn.execute("ALTER TABLE messages ADD COLUMN tokens TEXT")
         return conn
     except BaseException:
         conn.close()
@@ -194,8 +202,8 @@ class ChatStore:
             sampling = json.loads(row[3])
         except ValueError:
             sampling = {}
-        messages = tuple(StoredMessage(int(m[0]), m[1], m[2], bool(m[3]), m[4]) for m in self._run(
-            "SELECT id, role, content, complete, created FROM messages WHERE chat_id = ? ORDER BY id",
+        messages = tuple(StoredMessage(int(m[0]), m[1], m[2], bool(m[3]), m[4], decode_tokens(m[5])) for m in self._run(
+            "SELECT id, role, content, complete, created, tokens FROM messages WHERE chat_id = ? ORDER BY id",
             (chat_id,)).fetchall())
         return StoredChat(int(row[0]), row[1], row[2], sampling if isinstance(sampling, dict) else {}, row[4],
                           row[5], row[6], messages)
@@ -231,8 +239,13 @@ class ChatStore:
         self._run("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
         return int(cur.lastrowid)
 
-    def update_message(self, message_id: int, content: str, complete: bool) -> None:
-        self._run("UPDATE messages SET content = ?, complete = ? WHERE id = ?", (content, int(complete), message_id))
+    def update_message(self, message_id: int, content: str, complete: bool, tokens: str | None = None) -> None:
+        if tokens is None:
+            self._run("UPDATE messages SET content = ?, complete = ? WHERE id = ?",
+                      (content, int(complete), message_id))
+        else:
+            self._run("UPDATE messages SET content = ?, complete = ?, tokens = ? WHERE id = ?",
+                      (content, int(complete), tokens, message_id))
 
     def drop_last_reply(self, chat_id: int) -> None:
         """Regenerating: the chat's last message goes if it is a reply."""
@@ -270,9 +283,40 @@ class StreamingReply:
         self._last_flush = self._clock()
         self.flushes += 1
 
-    def finish(self, full_text: str | None = None) -> None:
-        """The reply ended (complete, stopped or failed): store its whole text as final."""
-        self.store.update_message(self.message_id, self.text if full_text is None else full_text, complete=True)
+    def finish(self, full_text: str | None = None, tokens: Sequence | None = None) -> None:
+        """The reply ended (complete, stopped or failed): store its whole text as final, and its tokens' details
+        (TokenSteps or anything with their fields) for the token view."""
+        self.store.update_message(self.message_id, self.text if full_text is None else full_text, complete=True,
+                                  tokens=encode_tokens(tokens) if tokens else None)
+
+
+def encode_tokens(steps: Sequence) -> str:
+    """Compact JSON of a reply's tokens: [id, text, is_stop, [[id, text, p], …], "outcome:tier-or-reason,…"]."""
+    return json.dumps([[int(s.token_id), s.text, bool(s.is_stop),
+                        [[a.token_id, a.text, round(a.probability, 7)] for a in s.alternatives],
+                        ",".join(f"{o.outcome}:{o.tier or o.bypass or ''}" for o in s.layers)] for s in steps],
+                      ensure_ascii=False, separators=(",", ":"))
+
+
+def decode_tokens(text: str | None) -> tuple[TokenStep, ...]:
+    """The tokens `encode_tokens` wrote (timings are not kept); () for none or for anything unreadable."""
+    if not text:
+        return ()
+    try:
+        steps = []
+        for index, (token_id, token_text, stop, alternatives, layers) in enumerate(json.loads(text)):
+            outcomes = []
+            for layer, code in enumerate(layers.split(",") if layers else ()):
+                outcome, _, detail = code.partition(":")
+                outcomes.append(LayerOutcome(layer, outcome, detail if outcome == "hit" else None,
+                                             detail if outcome != "hit" and detail else None))
+            steps.append(TokenStep(int(token_id), str(token_text), index, 0.0, 0, bool(stop),
+                                   tuple(Alternative(int(i), str(t), float(p)) for i, t, p in alternatives),
+                                   tuple(outcomes)))
+        return tuple(steps)
+    except (ValueError, TypeError) as exc:
+        log.info("unreadable token details in the chats database (%s); left out", exc)
+        return ()
 
 
 def _title(title: str) -> str:

@@ -348,6 +348,7 @@ class MainWindow(QMainWindow):
         tab = self._add_tab(chat.id, chat.title, sampling, chat.system_prompt)
         for message in chat.messages:
             tab.transcript.add_restored(message.role, message.content, message.complete)
+            tab.transcript.last.tokens = list(message.tokens)   # the token view works on saved replies too
         tab.render()
         self._on_current_chat_changed()
         return tab
@@ -652,7 +653,7 @@ class MainWindow(QMainWindow):
         tab.transcript.finish_reply(finished.text, finished.stats)
         writer, tab.reply_writer = tab.reply_writer, None
         if writer is not None:
-            self._store(writer.finish, finished.text)
+            self._store(writer.finish, finished.text, tab.transcript.last.tokens)
         tab.render()
         if tab is self.current_tab():
             self.show_last_reply_tokens_quietly(tab)
@@ -840,7 +841,7 @@ class MainWindow(QMainWindow):
             for tab in self.chat_tabs():
                 writer, tab.reply_writer = tab.reply_writer, None
                 if writer is not None:   # a reply stopped by closing: kept as far as it got
-                    self._store(writer.finish, None)
+                    self._store(writer.finish, None, tab.transcript.last.tokens)
                 self._forget_if_empty(tab)
             self.chats.close()
         event.accept()

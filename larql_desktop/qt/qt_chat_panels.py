@@ -123,7 +123,7 @@ class TokenView(QWidget):
     def show_reply(self, events: list, caption: str) -> None:
         self.events = list(events)
         self.caption.setText(caption if self.events else
-                             f"{caption}: no token details (kept for replies generated since the app started)")
+                             f"{caption}: no token details (kept for replies that ran to their end in this app)")
         self.tokens.clear()
         for event in self.events:
             label = f"{event.index}: {_visible(event.text) if not event.is_stop else '(stop)'}"
