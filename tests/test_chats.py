@@ -12,8 +12,8 @@ from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, F
                                         chat_to_markdown)
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.chat import ChatSession
-from larql_desktop.engine.model.generation import (PRESETS, Sampler, SamplingSettings, StopStringDecoder,
-                                                   apply_preset, preset_of, softmax)
+from larql_desktop.engine.model.chat import StopStringDecoder
+from larql_desktop.engine.model.generation import PRESETS, Sampler, SamplingSettings, apply_preset, preset_of
 from larql_desktop.engine.model.transformer import KvCache
 
 
@@ -156,7 +156,7 @@ def test_sampling_settings_are_validated_and_round_trip():
                          repeat_penalty=1.1, stop=["\n\n", "User:"])
     assert s.stop == ("\n\n", "User:")
     assert SamplingSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s
-    for bad, message in [(dict(top_k=-1), "top-k"), (dict(min_p=1.0), "min-p"), (dict(repeat_penalty=0), "repeat"),
+    for bad, message in [(dict(top_k=-1), "top-k"), (dict(min_p=1.5), "min-p"), (dict(repeat_penalty=0), "repeat"),
                          (dict(stop=("",)), "stop string"), (dict(stop="END"), "list of strings"),
                          (dict(stop=tuple("abcdefghijklmnopq")), "at most"), (dict(seed=-3), "seed"),
                          (dict(max_tokens=0), "max tokens")]:

@@ -593,6 +593,8 @@ class MainWindow(QMainWindow):
         self.settings.setValue("models/last", self._model_choice(info))
         self._default_system_prompt = info.default_system_prompt if info.is_chat else None
         self.sampling.set_default_system_prompt(self._default_system_prompt)
+        # A base model (no chat template) continues the text as it is: a system prompt would be ignored.
+        self.sampling.system_prompt.setEnabled(info.is_chat)
         self.model_label.setText(f"{info.display_name} · {info.n_layers} layers · {info.threads} threads")
         self.statusBar().showMessage(f"Loaded {info.display_name} in {info.load_seconds:.2f} s", 10_000)
         if had_chats:

@@ -170,7 +170,8 @@ class SamplingPanel(QWidget):
     def set_default_system_prompt(self, default: str | None) -> None:
         self.system_prompt.setPlaceholderText(default or "no system prompt")
         self.default_prompt.setText(f"Empty: the model's default, “{default}”" if default
-                                    else "Empty: no system prompt (the model's template has no default)")
+                                    else "Empty: no system prompt (the model has no default; a base model "
+                                         "takes none)")
 
     def apply_preset(self, name: str) -> None:
         self.set_settings(apply_preset(self.settings(), name))
