@@ -248,3 +248,29 @@ def test_a_corrupt_chats_database_is_set_aside_with_a_message(make_window, qtbot
     assert any(".unusable-" in p.name for p in paths.data.iterdir())
     tab = win.current_tab()
     assert win.chats.exists(tab.session_id)                     # the fresh database works
+
+
+def test_clicking_a_token_of_a_reply_selects_it_in_the_token_view(make_window, qtbot):
+    win = make_window()
+    send(qtbot, win, "Write a Python function that adds two numbers, in a code block.", max_tokens=24)
+    tab = win.current_tab()
+    turn_index = len(tab.transcript.turns) - 1
+    events = tab.transcript.last.tokens
+    doc_text = tab.view.toPlainText()
+    reply_start = tab.turn_spans[-1][0]
+    # A token inside the rendered code block: its text is shown verbatim.
+    number = next(i for i, e in enumerate(events) if i > 4 and len(e.text.strip()) >= 3)
+    source_offset = sum(len(e.text) for e in events[:number]) + 1   # inside that token's text
+    before = tab.transcript.last.text[:source_offset]
+    line_start = before.rfind("\n") + 1
+    shown_line = tab.transcript.last.text[line_start:].split("\n", 1)[0]
+    position = doc_text.index(shown_line, reply_start) + (source_offset - line_start)
+    assert tab.token_at(position) == (turn_index, number)
+    cursor = tab.view.textCursor()
+    cursor.setPosition(position)
+    point = tab.view.cursorRect(cursor).center()
+    point.setX(point.x() + 1)
+    qtbot.mouseClick(tab.view.viewport(), Qt.LeftButton, pos=point)
+    assert win.token_view.events == events and win.token_view.tokens.currentRow() == number
+    assert win.token_view.alternatives.rowCount() == 5
+    assert tab.token_at(tab.turn_spans[0][0]) is None             # the prompt has no tokens to show

@@ -312,6 +312,7 @@ class MainWindow(QMainWindow):
         tab = ChatTab(chat_id, title, [self.send_action, self.stop_action, self.regenerate_action],
                       sampling=sampling, system_prompt=system_prompt)
         tab.tokens_requested.connect(lambda index, t=tab: self.show_tokens(t, index))
+        tab.token_clicked.connect(lambda index, token, t=tab: self.show_tokens(t, index, token))
         self.tabs.setCurrentIndex(self.tabs.addTab(tab, _tab_text(title)))
         self.tabs.setTabToolTip(self.tabs.indexOf(tab), title)
         return tab
@@ -484,10 +485,12 @@ class MainWindow(QMainWindow):
         except (OSError, ChatStoreError) as exc:
             self.show_error(f"Export: {exc}")
 
-    def show_tokens(self, tab: ChatTab, index: int) -> None:
+    def show_tokens(self, tab: ChatTab, index: int, token: int = 0) -> None:
         turn = tab.transcript.turns[index]
         number = sum(1 for t in tab.transcript.turns[:index + 1] if t.role == ASSISTANT)
         self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {number}")
+        if 0 <= token < len(turn.tokens):
+            self.token_view.tokens.setCurrentRow(token)
         self.token_dock.show()
         self.token_dock.raise_()
 

@@ -5,7 +5,7 @@ appended as it comes. The view's context menu copies a reply (as shown or as its
 its tokens in the token view."""
 from __future__ import annotations
 
-from PySide6.QtCore import QPoint, Qt, Signal
+from PySide6.QtCore import QEvent, QPoint, Qt, Signal
 from PySide6.QtGui import QAction, QFont, QFontDatabase, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QMenu, QPlainTextEdit, QSplitter, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
@@ -25,6 +25,7 @@ def markdown_as_plain_text(markdown: str) -> str:
 
 class ChatTab(QWidget):
     tokens_requested = Signal(int)   # index of a turn whose tokens the user wants to see
+    token_clicked = Signal(int, int)  # (turn index, token index): the user clicked that token of a reply
 
     def __init__(self, session_id: int, title: str, actions: list[QAction], parent: QWidget | None = None,
                  sampling: SamplingSettings | None = None, system_prompt: str | None = None):
@@ -41,6 +42,7 @@ class ChatTab(QWidget):
         self.view.setAccessibleName(f"{title} transcript")
         self.view.setContextMenuPolicy(Qt.CustomContextMenu)
         self.view.customContextMenuRequested.connect(self._show_context_menu)
+        self.view.viewport().installEventFilter(self)   # a click on a reply picks its token for the token view
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Type a message; Ctrl+Return sends it")
         self.input.setAccessibleName(f"{title} message")
@@ -159,6 +161,54 @@ class ChatTab(QWidget):
         text = text if markdown or self.transcript.turns[index].role != ASSISTANT else markdown_as_plain_text(text)
         QApplication.clipboard().setText(text)
         return text
+
+    def eventFilter(self, watched, event) -> bool:
+        if (watched is self.view.viewport() and event.type() == QEvent.MouseButtonRelease
+                and event.button() == Qt.LeftButton and not self.view.textCursor().hasSelection()):
+            hit = self.token_at(self.view.cursorForPosition(event.position().toPoint()).position())
+            if hit is not None:
+                self.token_clicked.emit(*hit)
+        return super().eventFilter(watched, event)
+
+    def token_at(self, position: int) -> tuple[int, int] | None:
+        """(turn index, token index) of the reply token shown at a document position, if it has token details.
+
+        A rendered reply's text is not its Markdown source: each shown block is found in the source in order
+        (code and plain paragraphs appear verbatim; for a block that changed, the few characters before the
+        position are looked up instead), and the source offset picks the token whose text covers it."""
+        index = self.turn_at(position)
+        if index is None:
+            return None
+        turn = self.transcript.turns[index]
+        if turn.role != ASSISTANT or not turn.tokens:
+            return None
+        start, end, _ = self.turn_spans[[i for _, _, i in self.turn_spans].index(index)]
+        doc = self.view.document()
+        block = doc.findBlock(start).next()   # after the header
+        source, searched, offset = turn.text, 0, None
+        while block.isValid() and block.position() <= min(end, position):
+            text = block.text()
+            found = source.find(text, searched) if text else -1
+            if block.contains(position):
+                at = position - block.position()
+                if found >= 0:
+                    offset = found + at
+                else:
+                    needle = text[max(0, at - 12):at]
+                    near = source.find(needle, searched) if needle else -1
+                    offset = near + len(needle) if near >= 0 else None
+                break
+            if found >= 0:
+                searched = found + len(text)
+            block = block.next()
+        if offset is None:
+            return None
+        covered = 0
+        for number, event in enumerate(turn.tokens):
+            covered += len(event.text)
+            if covered > offset:
+                return index, number
+        return None
 
     def _show_context_menu(self, point: QPoint) -> None:
         menu = QMenu(self.view)
