@@ -43,7 +43,7 @@ def test_a_wheel_carries_the_icon_and_license_and_runs_from_a_fresh_virtualenv(t
     from larql_desktop import __version__
 
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                             "-w", str(wheels), str(ROOT)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     wheel = next(wheels.glob("larql_desktop-*.whl"))
