@@ -120,7 +120,8 @@ def summarise(runs: list[RunTiming]) -> dict:
 # ------------------------------------------------------------------------------------------ workers
 def _engine_for(model, mode: str):
     from larql_desktop.engine.core import LarqlEngine
-    from larql_desktop.engine.cache.walk import TierSettings, WalkSettings
+    from larql_desktop.engine.cache.tiers import TierSettings
+    from larql_desktop.engine.cache.walk import WalkSettings
 
     off = TierSettings(enabled=False)
     kwargs = {}
