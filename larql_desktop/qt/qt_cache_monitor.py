@@ -23,6 +23,7 @@ from larql_desktop.engine.cache.l3 import L3Settings
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.qt.protocol import CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
+from larql_desktop.qt.qt_collapse_lab import CollapseLab
 from larql_desktop.qt.qt_frontier import FrontierView
 from larql_desktop.qt.worker import EngineClient
 
@@ -33,10 +34,11 @@ TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
 OUTCOME_COLOURS = {"hit": "#2ca02c", "miss": "#d62728", "bypass": "#9467bd", "dense": "#7f7f7f"}
 BAR_COLOURS = {**{f"{t} hits": c for t, c in TIER_COLOURS.items()}, "misses": "#d62728", "bypasses": "#9467bd"}
 # Tier names alone (the title says these are hits): the key line then fits a column at the default window size.
-BAR_KEYS = {**TIER_COLOURS, "miss": "#d62728", "bypass": "#9467bd", "patched": "#c89600"}
+# Patched layers are shaded behind their bars; the summary line names them (a sixth key would not fit).
+BAR_KEYS = {**TIER_COLOURS, "miss": "#d62728", "bypass": "#9467bd"}
 # Near-miss view: per layer the hit rate, and for the explained misses the mean nearest cosine and overlap, the
 # share a guard at tau would have served, and the overlap two random K-sets have (K/F).
-NEAR_COLOURS = {"hit rate": "#2ca02c", "cosine": "#3a7bd5", "overlap": "#e8871e", "served": "#9467bd",
+NEAR_COLOURS = {"hits": "#2ca02c", "cosine": "#3a7bd5", "overlap": "#e8871e", "served": "#9467bd",
                 "K/F": "#7f7f7f"}
 PATCHED_COLOUR = (255, 200, 0, 70)
 
@@ -133,7 +135,7 @@ class CacheMonitor(QWidget):
     def _set_title(self, plot: pg.PlotItem, title: str) -> None:
         plot._title = title
         plot.setTitle(f"<span style='color:{self._text_colour}'>{title}</span><br>"
-                      f"<span style='font-size:8pt'>{plot._keys}</span>", size="10pt")
+                      f"<span style='font-size:7.5pt'>{plot._keys}</span>", size="10pt")
 
     def _line(self, plot: pg.PlotItem, name: str, colour: str, width: float = 2) -> pg.PlotDataItem:
         # Small dots as well as lines: an interval with data between two without shows as a point.
@@ -174,7 +176,7 @@ class CacheMonitor(QWidget):
         self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", "s", TIER_COLOURS)
         self.hit_plot.setYRange(0, 1.15, padding=0)
         self.hit_lines = {t: self._line(self.hit_plot, t, TIER_COLOURS[t]) for t in CHART_TIERS}
-        self.latency_plot = self._plot(0, 1, "FFN call latency (median)", "µs", "s", OUTCOME_COLOURS)
+        self.latency_plot = self._plot(0, 1, "FFN latency (median)", "µs", "s", OUTCOME_COLOURS)
         self.latency_plot.setLogMode(y=True)   # hits take tens of µs, prefill calls tens of ms
         # Decades only (pyqtgraph's minor log labels pile up in a plot this small).
         self.latency_plot.getAxis("left").setTicks(
@@ -185,7 +187,7 @@ class CacheMonitor(QWidget):
                                         {"mean": "#2ca02c", "min": "#d62728"})
         self.fidelity_lines = {"mean_cosine": self._line(self.fidelity_plot, "mean", "#2ca02c"),
                                "min_cosine": self._line(self.fidelity_plot, "min", "#d62728", 1)}
-        self.layer_plot = self._plot(1, 0, "Calls per layer (hits by tier)", "calls", "layer", BAR_KEYS)
+        self.layer_plot = self._plot(1, 0, "Calls per layer", "calls", "layer", BAR_KEYS)
         # Patched layers: a shaded column behind their bars, drawn first so the counts stay on top.
         self.patched_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.95,
                                             brush=pg.mkBrush(PATCHED_COLOUR), pen=pg.mkPen("#c89600", width=1.5))
@@ -195,10 +197,6 @@ class CacheMonitor(QWidget):
         self.entry_bars = self._bar_stack(self.entries_plot, TIER_COLOURS)
         self.memory_plot = self._plot(1, 2, "Bytes per layer", "KiB", "layer", TIER_COLOURS)
         self.memory_bars = self._bar_stack(self.memory_plot, TIER_COLOURS)
-        # The first column's key lines are the longest (six series under "Calls per layer"): a wider column
-        # keeps them whole at the default window size.
-        for col, stretch in enumerate((4, 3, 3)):
-            self.charts.ci.layout.setColumnStretchFactor(col, stretch)
         self._build_near_miss_charts()
         self.chart_tabs = QTabWidget()
         self.chart_tabs.setAccessibleName("Cache chart views")
@@ -208,6 +206,11 @@ class CacheMonitor(QWidget):
         self.frontier = FrontierView(self.client)
         self.frontier.error.connect(self.error)
         self.chart_tabs.addTab(self.frontier, "Frontier")
+        # The lab sits with the monitor's views: a dock of its own would add a tab bar to the bottom area and
+        # raise the window's minimum height.
+        self.collapse_lab = CollapseLab(self.client)
+        self.collapse_lab.error.connect(self.error)
+        self.chart_tabs.addTab(self.collapse_lab, "Collapse lab")
         self.chart_tabs.currentChanged.connect(lambda _: self.refresh(force=True))
         self.summary = QLabel("No statistics yet: load a model and send a prompt.")
         self.summary.setWordWrap(True)
@@ -234,10 +237,10 @@ class CacheMonitor(QWidget):
         self.near_baseline = pg.InfiniteLine(angle=0, pen=pg.mkPen(NEAR_COLOURS["K/F"], width=1.5,
                                                                    style=Qt.DashLine))
         self.near_plot.addItem(self.near_baseline)
-        self.overlap_map_plot = self._plot(0, 1, "Nearest overlap |A∩B|/K", "overlap", "layer", {},
+        self.overlap_map_plot = self._plot(0, 1, "Nearest overlap", "|A∩B|/K", "layer", {},
                                            charts=self.near_charts)
         self.overlap_map = self._heatmap(self.overlap_map_plot)
-        self.cosine_map_plot = self._plot(0, 2, "Nearest residual cosine", "cosine ≥", "layer", {},
+        self.cosine_map_plot = self._plot(0, 2, "Nearest cosine", "cosine ≥", "layer", {},
                                           charts=self.near_charts)
         self.cosine_map = self._heatmap(self.cosine_map_plot)
         # Cosine bins are finer near 1: rows are bins, each labelled by its lower edge.
@@ -611,7 +614,7 @@ class CacheMonitor(QWidget):
         if near is None:
             return
         x = np.arange(event.n_layers, dtype=float)
-        for name, key in (("hit rate", "hit_rate"), ("cosine", "mean_cosine"), ("overlap", "mean_overlap"),
+        for name, key in (("hits", "hit_rate"), ("cosine", "mean_cosine"), ("overlap", "mean_overlap"),
                           ("served", "served_rate")):
             y = np.asarray(near[key], dtype=float)
             if np.isfinite(y).any():
@@ -639,10 +642,7 @@ class CacheMonitor(QWidget):
         self.near_summary.setText(describe_near_misses(event.process.near_miss, baseline))
 
     def _update_titles(self, event: CacheStatsEvent) -> None:
-        tiers = event.process.tiers
-        ram = sum(float(tiers[t].bytes.sum()) for t in ("L1", "L2") if t in tiers) / (1 << 20)
-        disk = float(tiers["L3"].bytes.sum()) / (1 << 20) if "L3" in tiers else 0.0
-        self._set_title(self.memory_plot, f"Bytes (RAM {ram:.1f} · L3 {disk:.1f} MiB)")
+        # The byte totals go in the summary: in the chart's title they were cut at the default window size.
         self.summary.setText(summary_text(event))
         if event.l3_status is not None:
             self._show_l3_status(event.l3_status)
@@ -675,7 +675,9 @@ def summary_text(event: CacheStatsEvent) -> str:
     fidelity = (f"verified {f.checked} hits: cosine mean {f.mean_cosine:.6f}, min {f.min_cosine:.6f}, "
                 f"max |error| {f.max_abs_error:.3g}, stale {f.max_stale_error:.3g}" if f.checked
                 else "no hits verified (set a verify fraction)")
-    lines.append(f"{mode} · patched layers: {patched} · {fidelity}")
+    tiers = event.process.tiers
+    ram = sum(float(tiers[t].bytes.sum()) for t in ("L1", "L2") if t in tiers) / (1 << 20)
+    lines.append(f"{mode} · RAM {ram:.1f} MiB · patched layers (shaded): {patched} · {fidelity}")
     l3 = event.process.tiers.get("L3")
     if event.l3_status is None:
         lines.append("L3: no persistent cache in this run")

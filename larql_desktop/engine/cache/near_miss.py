@@ -119,7 +119,10 @@ class NearMissSampler:
                     entries.append(e)
         found = nearest(layer, x, out, entry.features, self.top_k, entries, self.tau)
         for st in stats:
-            st.record_near_miss(layer, found)
+            # Not every recorder in a walk's stats keeps near misses (the token view's per-layer outcomes don't).
+            record = getattr(st, "record_near_miss", None)
+            if record is not None:
+                record(layer, found)
         took = time.perf_counter() - now
         self.spent += took
         self.longest = max(self.longest, took)
