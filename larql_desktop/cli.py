@@ -36,6 +36,11 @@ def cmd_chat(args) -> int:
     model = _load(args, quiet_progress=True, preload="decoder" if args.ffn == "dense" else "layers")
     print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
     engine = LarqlEngine(model, walk=_walk_settings(args))
+    for path in args.patch or ():
+        patch = engine.read_patch(path)
+        engine.apply_patch(patch)
+        print(f"patch {path}: {len(patch.operations)} operation(s) on layer(s) "
+              f"{', '.join(map(str, patch.layers))}", file=sys.stderr)
     session = engine.new_session()
     decode_seconds = 0.0
     decode_tokens = 0
@@ -162,10 +167,15 @@ def cmd_insert(args) -> int:
           f"target token {model.tokenizer.decode([token])!r}")
     _show("probe before", args.probe + probe_before)
     _show("control before", args.control + control_before)
-    result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr)
+    started = time.perf_counter()
+    result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr,
+                           paraphrases=args.paraphrase or ())
+    seconds = time.perf_counter() - started
     after = engine.patches
-    print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) at layer {result.layer}, feature "
-          f"{result.feature}; canonical prompt {fact.canonical_prompt!r}")
+    installed = ", ".join(f"layer {f.layer} feature {f.feature} -> {model.tokenizer.decode([f.token])!r}"
+                          for f in result.features)
+    print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) in {seconds:.1f} s: {installed}; "
+          f"canonical prompt {fact.canonical_prompt!r}")
     p_after = ins.probability(args.probe, token, after)
     probe_after = ins.continuation(args.probe, after, args.tokens)[0]
     control_after = ins.continuation(args.control, after, args.tokens)[0]
@@ -176,6 +186,28 @@ def cmd_insert(args) -> int:
         print(f"saved patch to {args.save}")
     print(f"target p: {p_before:.4f} -> {p_after:.4f}; control unchanged: "
           f"{'yes' if control_before == control_after else 'no'}")
+    return 0
+
+
+def cmd_insert_eval(args) -> int:
+    import json
+
+    from larql_desktop.tools.insert_eval import default_engine_factory, format_report, read_facts, run_insert_eval
+
+    facts, controls = read_facts(args.facts)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, not {args.limit}")
+        facts = facts[:args.limit]
+    model = _load(args, quiet_progress=True)
+    report = run_insert_eval(default_engine_factory(model, dense=args.ffn == "dense"), facts, controls,
+                             use_paraphrases=args.use_paraphrases,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    for line in format_report(report):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_dict(), fh, indent=1)
     return 0
 
 
@@ -297,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
                       help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
     chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
+    chat.add_argument("--patch", action="append", default=None, metavar="FILE",
+                      help="apply this patch file first (repeatable, applied in order)")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -338,12 +372,27 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--target", required=True)
     ins.add_argument("--layer", type=int, default=None, help="install layer (default: LARQL's, then neighbours)")
     ins.add_argument("--alpha", type=float, default=0.1, help="initial down-vector scale (default 0.1)")
+    ins.add_argument("--paraphrase", action="append", default=None, metavar="P",
+                     help="another phrasing of the question to key on (repeatable; phrasings generated from the "
+                          "relation are always used)")
     ins.add_argument("--probe", required=True, help="prompt whose continuation should become the target")
     ins.add_argument("--control", default="Once upon a time,", help="prompt whose continuation must not change")
     ins.add_argument("--save", default=None, help="write the patch to this file")
     ins.add_argument("--tokens", type=int, default=8, help="tokens of greedy continuation shown (default 8)")
     ins.add_argument("--ffn", choices=("walk", "dense"), default="walk", help="FFN to run (default walk)")
     ins.set_defaults(func=cmd_insert)
+
+    ev = sub.add_parser("insert-eval", help="INSERT each fact of a facts file and measure canonical prompts, "
+                        "paraphrases, chat questions, neighbours and controls (greedy)")
+    common(ev)
+    ev.add_argument("--facts", required=True, help="facts file (insert_generalization.json format)")
+    ev.add_argument("--json", default=None, help="also write the figures and every output to this JSON file")
+    ev.add_argument("--ffn", choices=("dense", "walk"), default="dense", help="FFN to run (default dense)")
+    ev.add_argument("--use-paraphrases", action="store_true",
+                    help="hand the file's paraphrases to INSERT too (default: it sees only the fact, so the "
+                         "paraphrases measure generalisation)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N facts")
+    ev.set_defaults(func=cmd_insert_eval)
 
     patch = sub.add_parser("patch", help="validate or apply a patch file")
     patch_sub = patch.add_subparsers(dest="action", required=True)

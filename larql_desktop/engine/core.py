@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 from dataclasses import replace
 
 from larql_desktop.engine.cache.walk import CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings, WalkFfn, WalkSettings
@@ -104,7 +105,7 @@ class LarqlEngine:
     def _model_shape(self) -> dict:
         cfg = self.model.config
         return dict(n_layers=cfg.n_layers, intermediate=cfg.intermediate, hidden=cfg.hidden,
-                    checksum=self.model.checksum)
+                    checksum=self.model.checksum, vocab=cfg.vocab_size)
 
     def read_patch(self, path) -> Patch:
         """Load and validate a patch file for this model (PatchError names the problem)."""
@@ -130,13 +131,22 @@ class LarqlEngine:
         return overlay
 
     def inserter(self) -> Inserter:
-        """INSERT runs with the engine's FFN mode (walk or dense), without caches."""
+        """INSERT runs with the engine's FFN mode (walk or dense), without caches. One Inserter per mode is
+        kept: it remembers the contexts it has captured, which later inserts share."""
         w = self.walk_settings
-        return Inserter(self.model, self.base_weights, WalkSettings(top_k=w.top_k, dense=w.dense))
+        settings = WalkSettings(top_k=w.top_k, dense=w.dense)
+        cached = getattr(self, "_inserter", None)
+        if cached is None or cached.walk != settings:
+            cached = self._inserter = Inserter(self.model, self.base_weights, settings)
+        return cached
 
     def insert(self, fact: Fact, layer: int | None = None, alpha: float = 0.1,
-               progress: Progress | None = None) -> InsertResult:
-        result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress)
+               progress: Progress | None = None, paraphrases: Sequence[str] = (), cancel=None) -> InsertResult:
+        """INSERT `fact` on top of the applied patches and apply it. `paraphrases`: phrasings of the question
+        to key on besides the generated ones; `cancel`: a threading.Event checked between steps
+        (InsertCancelled is raised and nothing is applied)."""
+        result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress,
+                                        paraphrases=paraphrases, cancel=cancel)
         self.apply_patch(result.patch)
         return result
 
