@@ -223,7 +223,8 @@ def cmd_patch(args) -> int:
     if args.action == "validate":
         return 0
     ins = engine.inserter()
-    inserts = [op for op in patch.operations if op.op == "insert" and op.target]
+    # One line per inserted target (a multi-token, multi-layer insert has several features for one target).
+    inserts = list({op.target: op for op in patch.operations if op.op == "insert" and op.target}.values())
     before = engine.patches
     probe_before = ins.continuation(args.probe, before, args.tokens)[0]
     p_before = [ins.probability(args.probe, ins.target_token(op.target), before) for op in inserts]
@@ -233,7 +234,9 @@ def cmd_patch(args) -> int:
     _show("probe after", args.probe + probe_after)
     for op, p0 in zip(inserts, p_before):
         p1 = ins.probability(args.probe, ins.target_token(op.target), after)
-        print(f"target {op.target!r} (layer {op.layer}, feature {op.feature}) p: {p0:.4f} -> {p1:.4f}")
+        where = sorted({(o.layer, o.feature) for o in patch.operations if o.target == op.target})
+        print(f"target {op.target!r} ({', '.join(f'layer {l} feature {f}' for l, f in where)}) first token p: "
+              f"{p0:.4f} -> {p1:.4f}")
     return 0
 
 
