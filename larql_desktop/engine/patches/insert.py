@@ -80,7 +80,7 @@ RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mea
 THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
-CAPTURE_MEMORY = 400    # contexts remembered by an Inserter (each ~ T x d x layers floats)
+CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
 class InsertCancelled(Exception):
@@ -245,16 +245,21 @@ class Inserter:
         tokens = self.greedy(self.encode(text), overlay, n)
         return self.model.tokenizer.decode(tokens), tokens
 
-    def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
-        """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context
-        (remembered per overlay epoch: the same negatives serve every insert of an engine). Users of the KV
-        cache truncate it to the length they need first."""
+    def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False
+                ) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
+        """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
+        With `remember`, kept per overlay epoch (the negatives, captured under the base weights, serve every
+        later insert of this Inserter; a few dozen contexts of a few MB each). Users of the KV cache truncate it
+        to the length they need first."""
         key = (tuple(ids), overlay.epoch)
-        if key not in self._captured:
-            if len(self._captured) > CAPTURE_MEMORY:
-                self._captured.clear()
-            self._captured[key] = self._capture(ids, overlay)
-        return self._captured[key]
+        if key in self._captured:
+            return self._captured[key]
+        captured = self._capture(ids, overlay)
+        if remember:
+            if len(self._captured) >= CAPTURE_MEMORY:
+                self._captured.pop(next(iter(self._captured)))      # the oldest
+            self._captured[key] = captured
+        return captured
 
     def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
         captured: list[np.ndarray] = []
@@ -386,7 +391,7 @@ class Inserter:
             stop.check()
             # Under the base weights: earlier facts' features fire only on their own questions, and so the
             # captures serve every later insert of this engine too.
-            negative_inputs.append(self.capture(ids, PatchOverlay())[0])
+            negative_inputs.append(self.capture(ids, PatchOverlay(), remember=True)[0])
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
