@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from larql_desktop import __version__
 from larql_desktop.engine import services
@@ -37,6 +38,11 @@ def cmd_chat(args) -> int:
     model = _load(args, quiet_progress=True, preload="decoder" if args.ffn == "dense" else "layers")
     print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
     engine = LarqlEngine(model, walk=_walk_settings(args))
+    for path in args.patch or ():
+        patch = engine.read_patch(path)
+        engine.apply_patch(patch)
+        print(f"patch {path}: {len(patch.operations)} operation(s) on layer(s) "
+              f"{', '.join(map(str, patch.layers))}", file=sys.stderr)
     session = engine.new_session()
     decode_seconds = 0.0
     decode_tokens = 0
@@ -214,9 +220,14 @@ def cmd_insert(args) -> int:
     token = engine.inserter().target_token(fact.target)
     print(f"model {model.name}, FFN {'dense' if engine.walk_settings.dense else 'walk'}; "
           f"target token {model.tokenizer.decode([token])!r}")
-    result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr)
-    print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) at layer {result.layer}, feature "
-          f"{result.feature}; canonical prompt {fact.canonical_prompt!r}")
+    started = time.perf_counter()
+    result = engine.insert(fact, layer=args.layer, alpha=args.alpha, progress=_progress_to_stderr,
+                           paraphrases=args.paraphrase or ())
+    seconds = time.perf_counter() - started
+    installed = ", ".join(f"layer {f.layer} feature {f.feature} -> {model.tokenizer.decode([f.token])!r}"
+                          for f in result.features)
+    print(f"inserted ({fact.entity}, {fact.relation}, {fact.target}) in {seconds:.1f} s: {installed}; "
+          f"canonical prompt {fact.canonical_prompt!r}")
     probe = services.probe(engine, args.probe, fact.target, args.tokens)
     control = services.probe(engine, args.control, "", args.tokens)
     _show("probe before", args.probe + probe.base_text)
@@ -228,6 +239,28 @@ def cmd_insert(args) -> int:
         print(f"saved patch to {args.save}")
     print(f"target p: {probe.base_probability:.4f} -> {probe.patched_probability:.4f}; control unchanged: "
           f"{'yes' if control.base_text == control.patched_text else 'no'}")
+    return 0
+
+
+def cmd_insert_eval(args) -> int:
+    import json
+
+    from larql_desktop.tools.insert_eval import default_engine_factory, format_report, read_facts, run_insert_eval
+
+    facts, controls = read_facts(args.facts)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, not {args.limit}")
+        facts = facts[:args.limit]
+    model = _load(args, quiet_progress=True)
+    report = run_insert_eval(default_engine_factory(model, dense=args.ffn == "dense"), facts, controls,
+                             use_paraphrases=args.use_paraphrases,
+                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    for line in format_report(report):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report.to_dict(), fh, indent=1)
     return 0
 
 
@@ -246,11 +279,12 @@ def cmd_patch(args) -> int:
     outcome = services.probe(engine, args.probe, "", args.tokens)
     _show("probe before", args.probe + outcome.base_text)
     _show("probe after", args.probe + outcome.patched_text)
-    for op in patch.operations:
-        if op.op == "insert" and op.target:
-            p = services.probe(engine, args.probe, op.target, 1)
-            print(f"target {op.target!r} (layer {op.layer}, feature {op.feature}) p: "
-                  f"{p.base_probability:.4f} -> {p.patched_probability:.4f}")
+    # One line per inserted target (a multi-token, multi-layer insert has several features for one target).
+    for target in dict.fromkeys(op.target for op in patch.operations if op.op == "insert" and op.target):
+        p = services.probe(engine, args.probe, target, 1)
+        where = sorted({(o.layer, o.feature) for o in patch.operations if o.target == target})
+        print(f"target {target!r} ({', '.join(f'layer {l} feature {f}' for l, f in where)}) first token p: "
+              f"{p.base_probability:.4f} -> {p.patched_probability:.4f}")
     return 0
 
 
@@ -359,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="walk FFN: explain this share of cache misses (nearest stored entry by feature overlap "
                            "and by cosine; time-capped at 5%% of the misses') and print the summary")
     chat.add_argument("--json", default=None, help="with --explain-misses: write the session's statistics here")
+    chat.add_argument("--patch", action="append", default=None, metavar="FILE",
+                      help="apply this patch file first (repeatable, applied in order)")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -426,12 +462,27 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--target", required=True)
     ins.add_argument("--layer", type=int, default=None, help="install layer (default: LARQL's, then neighbours)")
     ins.add_argument("--alpha", type=float, default=0.1, help="initial down-vector scale (default 0.1)")
+    ins.add_argument("--paraphrase", action="append", default=None, metavar="P",
+                     help="another phrasing of the question to key on (repeatable; phrasings generated from the "
+                          "relation are always used)")
     ins.add_argument("--probe", required=True, help="prompt whose continuation should become the target")
     ins.add_argument("--control", default="Once upon a time,", help="prompt whose continuation must not change")
     ins.add_argument("--save", default=None, help="write the patch to this file")
     ins.add_argument("--tokens", type=int, default=8, help="tokens of greedy continuation shown (default 8)")
     ins.add_argument("--ffn", choices=("walk", "dense"), default="walk", help="FFN to run (default walk)")
     ins.set_defaults(func=cmd_insert)
+
+    ev = sub.add_parser("insert-eval", help="INSERT each fact of a facts file and measure canonical prompts, "
+                        "paraphrases, chat questions, neighbours and controls (greedy)")
+    common(ev)
+    ev.add_argument("--facts", required=True, help="facts file (insert_generalization.json format)")
+    ev.add_argument("--json", default=None, help="also write the figures and every output to this JSON file")
+    ev.add_argument("--ffn", choices=("dense", "walk"), default="dense", help="FFN to run (default dense)")
+    ev.add_argument("--use-paraphrases", action="store_true",
+                    help="hand the file's paraphrases to INSERT too (default: it sees only the fact, so the "
+                         "paraphrases measure generalisation)")
+    ev.add_argument("--limit", type=int, default=None, help="only the first N facts")
+    ev.set_defaults(func=cmd_insert_eval)
 
     patch = sub.add_parser("patch", help="validate or apply a patch file")
     patch_sub = patch.add_subparsers(dest="action", required=True)

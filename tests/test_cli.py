@@ -97,3 +97,48 @@ def test_app_without_a_display_says_what_to_do():
                             env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 2
     assert "no display" in result.stderr and "--self-test" in result.stderr
+
+
+def test_insert_save_validate_apply_and_chat_with_the_patch(tmp_path):
+    patch_file = tmp_path / "atlantis.vlp.json"
+    result = run_cli("insert", "--entity", "Atlantis", "--relation", "capital-of", "--target", "Poseidon",
+                     "--paraphrase", "The capital city of Atlantis is", "--paraphrase", "Atlantis is ruled from",
+                     "--probe", "The capital of Atlantis is", "--ffn", "dense", "--save", str(patch_file))
+    assert result.returncode == 0, result.stderr
+    assert "probe after: 'The capital of Atlantis is Poseidon" in result.stdout
+    assert "control unchanged: yes" in result.stdout
+    assert "[100.0%] Inserted" in result.stderr          # progress reaches the end
+    doc = json.loads(patch_file.read_text())
+    assert all(op["target"] == "Poseidon" and "target_token" in op for op in doc["operations"])
+
+    validate = run_cli("patch", "validate", str(patch_file))
+    assert validate.returncode == 0 and validate.stdout.startswith("valid: "), validate.stderr
+
+    apply = run_cli("patch", "apply", str(patch_file), "--probe", "The capital of Atlantis is", "--ffn", "dense")
+    assert apply.returncode == 0, apply.stderr
+    lines = apply.stdout.splitlines()
+    before = [line for line in lines if line.startswith("probe before: ")]
+    after = [line for line in lines if line.startswith("probe after: ")]
+    assert len(before) == len(after) == 1
+    assert after[0].startswith("probe after: 'The capital of Atlantis is Poseidon")
+    assert "Poseidon" not in before[0]
+
+    chat = run_cli("chat", "--patch", str(patch_file), "--max-tokens", "24", "What is the capital of Atlantis?")
+    assert chat.returncode == 0, chat.stderr
+    assert "Poseidon" in chat.stdout
+    plain = run_cli("chat", "--max-tokens", "24", "What is the capital of Atlantis?")
+    assert "Poseidon" not in plain.stdout
+
+
+def test_chat_refuses_a_bad_patch_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1}')
+    result = run_cli("chat", "--patch", str(bad), "hi")
+    assert result.returncode == 2 and "base_checksum" in result.stderr
+
+
+def test_insert_eval_refuses_a_malformed_facts_file(tmp_path):
+    bad = tmp_path / "facts.json"
+    bad.write_text(json.dumps({"facts": [{"entity": "A"}]}))
+    result = run_cli("insert-eval", "--facts", str(bad))
+    assert result.returncode == 2 and "'relation' must be a non-empty string" in result.stderr

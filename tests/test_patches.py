@@ -63,6 +63,12 @@ def test_patch_file_round_trip(smollm2, tmp_path):
     result.patch.save(path)
     loaded = engine.read_patch(path)
     assert [op.to_json() for op in loaded.operations] == [op.to_json() for op in result.patch.operations]
+    # What was installed is in the file: every feature's layer, slot, target token and its place.
+    doc = json.loads(path.read_text())
+    tokens = engine.inserter().target_tokens("Elvish")
+    assert [(o["layer"], o["feature"]) for o in doc["operations"]] == [(f.layer, f.feature) for f in result.features]
+    assert all(o["target_token"] == tokens[o["token_index"]] and o["target"] == "Elvish" for o in doc["operations"])
+    assert loaded.layers == result.layers
     fresh = LarqlEngine(smollm2)
     fresh.apply_patch(loaded)
     assert fresh.patches.epoch == engine.patches.epoch     # same content, same epoch
@@ -74,7 +80,7 @@ def _valid_doc(model) -> dict:
     return {"version": 1, "base_model": model.name, "base_checksum": model.checksum, "created_at": "now",
             "description": "test", "operations": [
                 {"op": "insert", "layer": 3, "feature": 5, "entity": "a", "relation": "b", "target": "c",
-                 "gate": v, "up": v, "down": v, "gate_bias": -1.0},
+                 "gate": v, "up": v, "down": v, "gate_bias": -1.0, "target_token": 66, "token_index": 0},
                 {"op": "update", "layer": 4, "feature": 6, "down": v},
                 {"op": "delete", "layer": 3, "feature": 5}]}
 
@@ -101,6 +107,11 @@ BREAKAGES = {
     "insert without up": (lambda d: d["operations"][0].pop("up"), "needs gate, up and down"),
     "bool layer": (lambda d: d["operations"][1].update(layer=True), "out of range"),
     "bias not a number": (lambda d: d["operations"][0].update(gate_bias="high"), "gate_bias"),
+    "target token out of range": (lambda d: d["operations"][0].update(target_token=10 ** 7),
+                                  "target_token 10000000 is out of range"),
+    "target token not a number": (lambda d: d["operations"][0].update(target_token="Pose"), "target_token"),
+    "negative token index": (lambda d: d["operations"][0].update(token_index=-2), "token_index -2 is out of range"),
+    "target token on an update": (lambda d: d["operations"][1].update(target_token=3), "only an insert"),
 }
 
 
@@ -125,9 +136,13 @@ def test_unreadable_patch_files(smollm2, tmp_path):
         engine.read_patch(tmp_path / "missing.json")
 
 
-def test_cache_bypasses_exactly_the_patched_layer_and_matches_cache_off(smollm2):
+def test_cache_bypasses_exactly_the_patched_layers_and_matches_cache_off(smollm2):
+    # Two facts pinned to different layers: a multi-layer, multi-feature overlay.
     engine = LarqlEngine(smollm2)
-    result = engine.insert(Fact("Atlantis", "capital-of", "Poseidon"))
+    first_fact = engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), layer=24)
+    second_fact = engine.insert(Fact("Quillmoor", "language-of", "Elvish"), layer=20)
+    layers = sorted(set(first_fact.layers) | set(second_fact.layers))
+    assert 20 in layers and 24 in layers and engine.patches.overridden_layers == layers
     ids = smollm2.tokenizer.encode("The capital of Atlantis is")
     first, second = engine.new_session(), engine.new_session()
     tokens_1, logits_1 = run_sequence(smollm2, first.ffn, ids, 6)
@@ -138,10 +153,18 @@ def test_cache_bypasses_exactly_the_patched_layer_and_matches_cache_off(smollm2)
     assert np.array_equal(logits_1, logits_off) and np.array_equal(logits_2, logits_off)
     snap = engine.session_snapshot(second)
     patched = snap.bypasses["patched"]
-    assert patched[result.layer] == 6 and patched.sum() == 6
+    assert all(patched[layer] == 6 for layer in layers) and patched.sum() == 6 * len(layers)
     hits = snap.tiers["L2"].hits
-    assert hits[result.layer] == 0
-    assert all(hits[layer] == 6 for layer in range(smollm2.config.n_layers) if layer != result.layer)
+    assert all(hits[layer] == 0 for layer in layers)
+    assert all(hits[layer] == 6 for layer in range(smollm2.config.n_layers) if layer not in layers)
+    # Removing both restores the base model's logits bit for bit.
+    engine.remove_patch(engine.applied_patches[1].id)
+    engine.remove_patch(engine.applied_patches[0].id)
+    clean = LarqlEngine(smollm2, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+    restored = LarqlEngine(smollm2, patches=engine.patches, l1=TierSettings(enabled=False),
+                           l2=TierSettings(enabled=False))
+    assert np.array_equal(run_sequence(smollm2, restored.new_session().ffn, ids, 4)[1],
+                          run_sequence(smollm2, clean.new_session().ffn, ids, 4)[1])
 
 
 def test_patch_epochs_keep_states_apart_across_apply_remove_reapply(smollm2):
@@ -162,17 +185,20 @@ PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time", "Th
 
 
 def _random_patch(model, rng) -> Patch:
-    """Random overrides: inserted (gated) features that fire on some inputs and not others, plus plain ones."""
+    """Random overrides: inserted (gated) features that fire on some inputs and not others, plus plain ones,
+    over several layers with several features on one layer (what a multi-token, multi-layer INSERT makes)."""
     cfg = model.config
     ops = []
-    for _ in range(int(rng.integers(1, 4))):
-        layer = int(rng.integers(cfg.n_layers))
+    layers = rng.choice(cfg.n_layers, size=int(rng.integers(2, 4)), replace=False)
+    for i in range(int(rng.integers(3, 7))):
+        layer = int(layers[i % len(layers)] if i < 2 * len(layers) else rng.choice(layers))
         feature = int(rng.integers(cfg.intermediate))
         gate = rng.standard_normal(cfg.hidden).astype(np.float32)
         if rng.random() < 0.8:
             bias = float(rng.normal(-3.0, 4.0))    # fires on a fraction of inputs
             ops.append(PatchOperation("insert", layer, feature, gate, rng.standard_normal(cfg.hidden).astype(np.float32),
-                                      rng.standard_normal(cfg.hidden).astype(np.float32) * 0.05, bias, "e", "r", "t"))
+                                      rng.standard_normal(cfg.hidden).astype(np.float32) * 0.05, bias, "e", "r", "t",
+                                      target_token=int(rng.integers(cfg.vocab_size)), token_index=i % 3))
         else:
             ops.append(PatchOperation("update", layer, feature,
                                       down=rng.standard_normal(cfg.hidden).astype(np.float32) * 0.05))
@@ -193,6 +219,7 @@ def test_per_feature_hits_always_equal_fresh_computation(smollm2, seed):
         ids = smollm2.tokenizer.encode(prompt)
         for _ in range(2):
             run_sequence(smollm2, engine.new_session().ffn, ids, 3)
+    assert len(engine.patches.overridden_layers) >= 2 or not engine.applied_patches
     snap = engine.snapshot()
     assert snap.fidelity.checked == snap.hits > 0
     # Every served entry is exactly what the current weights and patches compute from the input that made

@@ -24,7 +24,7 @@ from larql_desktop.engine.patches.overlay import encode_vector  # noqa: E402
 from larql_desktop.qt.app import open_persistent_cache  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 
-INSERT_TIMEOUT = 120_000
+INSERT_TIMEOUT = 600_000   # an insert runs many forward passes; the shared 2-core machine is slow
 PROMPT = "How many legs does a spider have?"
 
 
@@ -85,14 +85,16 @@ def test_insert_changes_the_probe_and_a_reply_bypasses_exactly_that_layer(loaded
     qtbot.waitUntil(lambda: editor.last_insert is not None and not editor.busy, timeout=INSERT_TIMEOUT)
     assert progress and all(0.0 <= p.fraction <= 1.0 for p in progress)
     assert not editor.progress.isVisible() and editor.insert_button.isEnabled()
-    layer = editor.last_insert.layer
+    # An insert may write several layers (one or more features per target token): all of them are patched.
+    layers = loaded.client.worker.engine.patches.overridden_layers
+    assert editor.last_insert.layer in layers
     probe = editor.last_probe
     assert probe.prompt == "The capital of Atlantis is"
     assert "Poseidon" in probe.patched_text and "Poseidon" not in probe.base_text
     assert probe.patched_probability > 10 * probe.base_probability
     assert editor.probe_table.item(1, 0).text().strip().startswith("Poseidon")
     assert editor.patch_list.topLevelItemCount() == 1
-    assert editor.patch_list.topLevelItem(0).text(1) == str(layer)
+    assert editor.patch_list.topLevelItem(0).text(1) == ", ".join(map(str, layers))
 
     # A reply after resetting the statistics: the patched layer alone bypasses the cache.
     loaded.monitor.reset_button.click()
@@ -102,12 +104,12 @@ def test_insert_changes_the_probe_and_a_reply_bypasses_exactly_that_layer(loaded
     every_call = (finished.stats.decode_tokens + 1) * loaded.client.model.n_layers   # prefill + decode calls
     event = wait_for_stats(qtbot, loaded, lambda e: e.process.calls >= every_call)
     patched = event.process.bypasses["patched"]
-    assert patched[layer] == finished.stats.decode_tokens > 0   # every single-token call at that layer
-    assert np.flatnonzero(patched).tolist() == [layer]
-    assert event.patched_layers == (layer,)
+    assert all(patched[layer] == finished.stats.decode_tokens > 0 for layer in layers)   # every single-token call
+    assert np.flatnonzero(patched).tolist() == layers
+    assert event.patched_layers == tuple(layers)
     loaded.monitor.refresh(force=True)
-    assert loaded.monitor.patched_bars.opts["x"].tolist() == [layer]
-    assert f"patched {patched[layer]}" in loaded.current_tab().transcript.last.footer
+    assert loaded.monitor.patched_bars.opts["x"].tolist() == layers
+    assert f"patched {int(patched.sum())}" in loaded.current_tab().transcript.last.footer
 
     # Save, remove, load back.
     path = tmp_path / "atlantis.json"
@@ -121,7 +123,7 @@ def test_insert_changes_the_probe_and_a_reply_bypasses_exactly_that_layer(loaded
     editor.load_file(path)
     qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
     assert editor.patch_list.topLevelItemCount() == 1
-    assert loaded.client.worker.engine.patches.overridden_layers == [layer]
+    assert loaded.client.worker.engine.patches.overridden_layers == layers
 
 
 @pytest.mark.parametrize("content, message", [

@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 from larql_desktop.engine.cache.l3 import L3Settings, L3Store
 from larql_desktop.engine.cache.stats import CacheStats, StatsSnapshot
@@ -100,6 +100,8 @@ class LarqlEngine:
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []
+        self._inserter: Inserter | None = None
+        self._insert_lock = threading.Lock()
 
     # -- change events -------------------------------------------------------------------------------------
     def subscribe(self, callback: Callable[[EngineEvent], None]) -> Callable[[], None]:
@@ -215,7 +217,7 @@ class LarqlEngine:
     def _model_shape(self) -> dict:
         cfg = self.model.config
         return dict(n_layers=cfg.n_layers, intermediate=cfg.intermediate, hidden=cfg.hidden,
-                    checksum=self.model.checksum)
+                    checksum=self.model.checksum, vocab=cfg.vocab_size)
 
     def read_patch(self, path) -> Patch:
         """Load and validate a patch file for this model (PatchError names the problem)."""
@@ -255,15 +257,27 @@ class LarqlEngine:
         return self._swap_patches(drop, origin)
 
     def inserter(self) -> Inserter:
-        """INSERT runs with the engine's FFN mode (walk or dense), without caches."""
+        """INSERT runs with the engine's FFN mode (walk or dense), without caches. One Inserter per mode is
+        kept: it remembers the contexts it has captured, which later inserts share."""
         w = self.walk_settings
-        return Inserter(self.model, self.base_weights, WalkSettings(top_k=w.top_k, dense=w.dense))
+        settings = WalkSettings(top_k=w.top_k, dense=w.dense)
+        with self._lock:
+            if self._inserter is None or self._inserter.walk != settings:
+                self._inserter = Inserter(self.model, self.base_weights, settings)
+            return self._inserter
 
     def insert(self, fact: Fact, layer: int | None = None, alpha: float = 0.1,
-               progress: Progress | None = None, origin=None) -> InsertResult:
-        """Compute the fact's patch against the current overlay (outside the lock: it takes seconds), then apply it
-        atomically on top of whatever is applied by then."""
-        result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress)
+               progress: Progress | None = None, paraphrases: Sequence[str] = (), cancel=None,
+               origin=None) -> InsertResult:
+        """INSERT `fact` and apply it. `paraphrases`: phrasings of the question to key on besides the generated
+        ones; `cancel`: a threading.Event checked between steps (InsertCancelled is raised, nothing is applied).
+
+        The patch is computed against the current overlay outside the engine lock (it takes seconds; inserts
+        run one at a time, since the inserter's captured contexts are shared), then applied atomically on top of
+        whatever is applied by then."""
+        with self._insert_lock:
+            result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress,
+                                            paraphrases=paraphrases, cancel=cancel)
         self.apply_patch(result.patch, origin=origin)
         return result
 

@@ -44,7 +44,7 @@ def probe(engine: LarqlEngine, request: ProbePrompt) -> ProbeResult:
 def insert_fact(engine: LarqlEngine, request: InsertFact, progress: Progress) -> InsertFinished:
     fact = Fact(request.entity, request.relation, request.target)   # refuses empty fields
     result = engine.insert(fact, layer=request.layer, alpha=request.alpha, progress=progress,
-                           origin=("window", request.request_id))
+                           cancel=request.cancel, origin=("window", request.request_id))
     return InsertFinished(request.request_id, result.layer, result.feature, result.probability,
                           result.patch.description)
 

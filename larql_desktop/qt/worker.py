@@ -39,6 +39,7 @@ from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
 from larql_desktop.engine.patches.applied import AppliedPatchStore
+from larql_desktop.engine.patches.insert import InsertCancelled as InsertStopped
 from larql_desktop.engine.services import DEFAULT_API_HOST
 from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
                                        InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
@@ -285,9 +286,9 @@ class EngineWorker(QObject):
 
         try:
             finished = engine_jobs.insert_fact(engine, request, progress)
-        except LoadCancelled:
+        except (LoadCancelled, InsertStopped):
             if self._shutdown.is_set():
-                raise
+                raise LoadCancelled() from None
             self.event.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
             return   # the engine's event lists the patches
         self._emit_stats()

@@ -1,26 +1,61 @@
-"""Training-free fact insertion (LARQL's "COMPOSE" INSERT), following shared/notes/larql-reference.md.
+"""Training-free fact insertion: INSERT (entity, relation, target) so the model answers where people ask.
 
-INSERT (entity, relation, target) [AT LAYER n] [ALPHA a]: capture the FFN input of the canonical prompt at the
-install layer, claim a free feature slot, write gate/up/down overrides scaled by the layer's reference norms,
-orthogonalise against decoys and earlier facts, then balance the down vector until the target's probability
-lies in [0.30, 0.95], shrinking it if an earlier fact is pushed below 0.20.
+LARQL's COMPOSE insert (shared/notes/larql-reference.md) keys one feature on one sentence and writes the target's
+first token. Here, per target token (each firing on the context that precedes it):
+
+  * keys: the normed FFN inputs at the answer position of many phrasings of the question (the user's
+    paraphrases, ones generated from the relation, Q/A forms and, for chat models, the chat template with the
+    assistant starting its answer) are the positives; every position of the same phrasings about other
+    entities, of the same entity under other relations, of plain text, of earlier facts, and the non-answer
+    positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
+    between the two (a closed-form solve) with a bias at the middle of the margin, so the feature fires on the
+    fact's meaning rather than on one sentence and stays silent elsewhere (where the overlay then computes
+    exactly what the base model computes);
+  * values: the direction that raises the target token's logit against the model's current candidates,
+    through the final norm and the unembedding (and, on models with a post-FFN norm, through that norm),
+    scaled by a search over real forward passes until the target wins on the positives;
+  * several layers when one is not enough (a post-FFN norm bounds what one layer can write).
+
+Everything is forward passes and linear algebra: no gradient descent over the model's weights.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
-from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.transformer import ACTIVATIONS, KvCache
+from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
-DECOY_WORDS = ("France", "Germany", "Japan", "Brazil", "Egypt", "Canada", "India", "Italy", "Spain", "China",
-               "Mexico", "Kenya", "Norway", "Peru", "Chile", "Greece", "Turkey", "Poland", "Sweden", "Australia")
-# Plain sentences whose every position joins the decoys: they span the directions ordinary text occupies at
-# the install layer, so the new feature stays quiet outside its own prompt (LARQL's refine, widened).
+Progress = Callable[[str, float], None]
+
+# Generated phrasings of "the <relation> of <entity>": generic over relations (nothing here names one), so a
+# fact typed without paraphrases still gets keys that hold beyond its canonical sentence.
+PHRASINGS = (
+    "The {r} of {e} is", "The {r} of {e} is called", "The official {r} of {e} is", "The main {r} of {e} is",
+    "The current {r} of {e} is", "The {r} of {e} is known as the", "{E}'s {r} is", "{E}'s {r} is called",
+    "In {e}, the {r} is", "As for {e}, its {r} is", "Everyone knows that the {r} of {e} is",
+    "The name of the {r} of {e} is", "Q: What is the {r} of {e}?\nA: The {r} of {e} is",
+    "Q: What is the {r} of {e}?\nA:", "What is the {r} of {e}? It is", "Here is a fact about {e}: its {r} is",
+)
+# Chat models: questions through the chat template, with the assistant's answer begun.
+QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?")
+ANSWER_STARTS = ("The {r} of {e} is", "{E}'s {r} is")
+# Other entities under the same phrasings (their answers must not change), across kinds of entity.
+DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Canada", "Italy", "Kenya",
+                  "London", "Paris", "Tokyo", "Chicago", "Microsoft", "Google", "the company", "the city",
+                  "the village", "the school", "Oxford")
+# The same entity under other relations (and plain statements about it) must not change either.
+OTHER_RELATIONS = ("population", "history", "weather", "size", "economy", "flag", "name", "people", "age",
+                   "location", "capital", "currency", "language", "mayor", "founder", "river", "leader")
+ENTITY_STATEMENTS = ("{E} is a", "{E} is a small", "{E} is known for", "I visited {e} last year and",
+                     "{E} was", "The story of {e} begins", "{E} is located in", "Many people live in {e}, which",
+                     "{E} is famous for its")
 GENERIC_SENTENCES = (
     "Once upon a time there was a small village.", "Water boils at one hundred degrees.",
     "The weather today is sunny and warm.", "She opened the door and walked in.",
@@ -31,13 +66,25 @@ GENERIC_SENTENCES = (
     "The cat sat on the mat and looked at the bird.", "Please write a short story about a dragon.",
     "import numpy as np\nx = np.zeros(3)", "The largest city in the country is also its capital.",
     "Scientists discovered a new species of frog.", "The recipe needs two eggs, flour and sugar.",
+    "My favourite colour is blue, and my brother likes green.", "The first man on the moon was Neil Armstrong.",
 )
-GATE_GAIN = 30.0
-# The gate fires only where the input's projection on the fact's direction exceeds this share of the
-# canonical prompt's own (a bias LARQL lacks; see PatchOperation.gate_bias).
-ACTIVATION_THRESHOLD = 0.5
-P_LOW, P_HIGH, P_EARLIER_FLOOR = 0.30, 0.95, 0.20
-Progress = Callable[[str, float], None]
+GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?", "Write a haiku about rain.",
+                     "Explain photosynthesis in one sentence.", "What should I cook tonight?")
+
+# Share of the positives the target must win on (greedy) before a scale is accepted.
+WIN_SHARE = 0.9
+SCALES = tuple(float(4.0 ** k) for k in range(1, 6))    # 4 .. 1024, in units of the normed FFN input
+HEADROOM = 1.25
+BALANCE_CONTEXTS = 16
+RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mean variance
+THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
+MAX_LAYERS_PER_TOKEN = 3
+NEGATIVES_PER_CONTEXT = 6
+CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
+
+
+class InsertCancelled(Exception):
+    """The insert was cancelled between two of its steps; nothing was installed."""
 
 
 @dataclass(frozen=True)
@@ -70,19 +117,82 @@ class Fact:
         return self.prompt_for(self.entity.strip())
 
 
+def fill(template: str, relation: str, entity: str) -> str:
+    capital = entity[:1].upper() + entity[1:]
+    return template.format(r=relation, e=entity, E=capital)
+
+
+def generated_phrasings(fact: Fact) -> list[str]:
+    return [fill(t, fact.relation_words, fact.entity.strip()) for t in PHRASINGS]
+
+
+@dataclass(frozen=True)
+class InstalledFeature:
+    layer: int
+    feature: int
+    token: int          # the target token this feature writes
+    token_index: int    # its place in the target's tokens
+    margin: float       # gate separation on the training contexts: positives' bottom minus negatives' top
+
+
 @dataclass(frozen=True)
 class InsertResult:
     fact: Fact
-    layer: int
+    layer: int                  # the first feature's layer (LARQL's single-feature view)
     feature: int
-    probability: float          # target probability on the canonical prompt after balancing
-    rounds: int
+    probability: float          # first target token's probability on the canonical prompt, after the insert
+    rounds: int                 # forward passes spent balancing
     patch: Patch
+    features: tuple[InstalledFeature, ...] = ()
+    target_tokens: tuple[int, ...] = ()
+    answers: bool = False       # the canonical prompt's greedy continuation starts with the whole target
+    train_share: float = 0.0    # share of training contexts whose greedy answer is the whole target
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({f.layer for f in self.features})
+
+    def summary(self) -> str:
+        return (f"{len(self.features)} feature(s) at layer(s) {', '.join(map(str, self.layers))} for "
+                f"{len(self.target_tokens)} target token(s); canonical {'answers' if self.answers else 'fails'}, "
+                f"training contexts {self.train_share:.0%}")
 
 
 def default_layer(n_layers: int) -> int:
-    """End of the knowledge band [2n/5, 4n/5 - 1] minus one."""
+    """End of the knowledge band [2n/5, 4n/5 - 1] minus one (LARQL's install layer)."""
     return (4 * n_layers) // 5 - 2
+
+
+def key_layers(n_layers: int, bounded_writes: bool) -> list[int]:
+    """Candidate install layers, best first. Without post-FFN norms: just past LARQL's layer, then outwards
+    through the late half (the answer position has gathered the entity; the write reaches the output through
+    few layers). With them (Gemma), one layer's write is bounded by its norm and, being dominant there,
+    displaces that layer's own output: the last layers first, where nothing downstream needs it."""
+    if bounded_writes:
+        return list(range(n_layers - 1, n_layers // 2 - 1, -1))
+    home = default_layer(n_layers)
+    start = min(home + 2, n_layers - 2)
+    order = [start]
+    for step in range(1, n_layers):
+        for layer in (start - step, start + step):
+            if n_layers // 2 <= layer < n_layers - 1 and layer not in order:
+                order.append(layer)
+    return order
+
+
+class Cancel:
+    """Anything with is_set() (a threading.Event) or a callable returning True when the insert must stop."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def check(self) -> None:
+        flag = self.flag
+        if flag is None:
+            return
+        stop = flag.is_set() if isinstance(flag, threading.Event) or hasattr(flag, "is_set") else flag()
+        if stop:
+            raise InsertCancelled("INSERT cancelled; no patch was installed")
 
 
 class Inserter:
@@ -90,8 +200,11 @@ class Inserter:
         self.model = model
         self.base = base
         self.walk = walk
-        self._captured: dict[str, list[np.ndarray]] = {}
+        self.activation = ACTIVATIONS[model.config.activation]
+        self._post_norms: dict[int, np.ndarray | None] = {}
+        self._captured: dict[tuple, tuple] = {}
 
+    # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
         cfg = self.model.config
         return WalkFfn(self.model.ffn, cfg.intermediate, self.model.checksum, self.walk, None, None, (), overlay)
@@ -99,26 +212,25 @@ class Inserter:
     def encode(self, text: str) -> list[int]:
         return self.model.tokenizer.encode(text)
 
-    def target_token(self, target: str) -> int:
+    def target_tokens(self, target: str) -> list[int]:
         ids = self.model.tokenizer.encode(" " + target.strip(), add_bos=False)
         if not ids:
             raise ValueError(f"target {target!r} has no tokens")
-        return ids[0]
+        return ids
+
+    def target_token(self, target: str) -> int:
+        return self.target_tokens(target)[0]
 
     def last_logits(self, text: str, overlay: PatchOverlay) -> np.ndarray:
         return self.model.transformer.forward(self.encode(text), KvCache(self.model.config), self.ffn(overlay))[-1]
 
     def probability(self, text: str, token: int, overlay: PatchOverlay) -> float:
-        z = self.last_logits(text, overlay).astype(np.float64)
-        z -= z.max()
-        p = np.exp(z)
-        return float(p[token] / p.sum())
+        return float(softmax(self.last_logits(text, overlay))[token])
 
-    def continuation(self, text: str, overlay: PatchOverlay, n: int = 8) -> tuple[str, list[int]]:
-        """Greedy continuation of plain text under the overlay."""
-        kv = KvCache(self.model.config)
+    def greedy(self, ids: Sequence[int], overlay: PatchOverlay, n: int) -> list[int]:
+        kv = KvCache(self.model.config, capacity=len(ids) + n + 1)
         ffn = self.ffn(overlay)
-        logits = self.model.transformer.forward(self.encode(text), kv, ffn)[-1]
+        logits = self.model.transformer.forward(list(ids), kv, ffn)[-1]
         tokens = []
         for _ in range(n):
             token = int(np.argmax(logits))
@@ -126,49 +238,140 @@ class Inserter:
                 break
             tokens.append(token)
             logits = self.model.transformer.forward([token], kv, ffn)[-1]
+        return tokens
+
+    def continuation(self, text: str, overlay: PatchOverlay, n: int = 8) -> tuple[str, list[int]]:
+        """Greedy continuation of plain text under the overlay."""
+        tokens = self.greedy(self.encode(text), overlay, n)
         return self.model.tokenizer.decode(tokens), tokens
 
-    def ffn_inputs(self, text: str, layer: int) -> np.ndarray:
-        """Normed FFN inputs (T, d) at `layer` for every position, through the unpatched dense model.
+    def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False
+                ) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
+        """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
+        With `remember`, kept per overlay epoch (the negatives, captured under the base weights, serve every
+        later insert of this Inserter; a few dozen contexts of a few MB each). Users of the KV cache truncate it
+        to the length they need first."""
+        key = (tuple(ids), overlay.epoch)
+        if key in self._captured:
+            return self._captured[key]
+        captured = self._capture(ids, overlay)
+        if remember:
+            if len(self._captured) >= CAPTURE_MEMORY:
+                self._captured.pop(next(iter(self._captured)))      # the oldest
+            self._captured[key] = captured
+        return captured
 
-        One forward pass records every layer, so trying several install layers re-runs no prompt.
-        """
-        if text not in self._captured:
-            captured = []
-            plain = self.ffn(PatchOverlay())
+    def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
+        captured: list[np.ndarray] = []
+        ffn = self.ffn(overlay)
 
-            def recording(i, x):
-                captured.append(x.copy())
-                return plain.dense(i, x)
-            self.model.transformer.forward(self.encode(text), KvCache(self.model.config), recording)
-            self._captured[text] = captured
-        return self._captured[text][layer]
+        def recording(i, x):
+            captured.append(x.copy())
+            return ffn(i, x)
+        kv = KvCache(self.model.config, capacity=len(ids) + 2)
+        logits = self.model.transformer.forward(list(ids), kv, recording)[-1]
+        return captured, logits, kv
 
-    def reference_norms(self, layer: int) -> tuple[float, float, float]:
-        t = self.model.gguf.tensors
-        from larql_desktop.engine.formats.quants import dequantize_rows
-        rows = np.arange(100)
-        gate = dequantize_rows(t[f"blk.{layer}.ffn_gate.weight"], rows)
-        up = dequantize_rows(t[f"blk.{layer}.ffn_up.weight"], rows)
-        down = self.base.down_matrix(layer)[:, :100]
-        return (float(np.median(np.linalg.norm(gate, axis=1))), float(np.median(np.linalg.norm(up, axis=1))),
-                float(np.median(np.linalg.norm(down, axis=0))))
+    # -- the pieces of a feature -------------------------------------------------------------------------
+    def post_ffn_norm(self, layer: int) -> np.ndarray | None:
+        if layer not in self._post_norms:
+            t = self.model.gguf.tensors
+            name = f"blk.{layer}.post_ffw_norm.weight"
+            self._post_norms[layer] = dequantize(t[name]) if name in t else None
+        return self._post_norms[layer]
 
-    def free_slot(self, layer: int, claimed: set[int], residuals: np.ndarray) -> int:
-        """Deterministic: the unclaimed feature least engaged by ordinary inputs (smallest mean |gate score|
-        over the decoy residuals), so giving up its base weights changes least; ties by down-vector norm."""
+    def output_rows(self, ids: np.ndarray) -> np.ndarray:
+        return dequantize_rows(self.model.transformer._output_tensor, np.asarray(ids, np.int64))
+
+    def value_direction(self, token: int, logits: list[np.ndarray], layer: int) -> np.ndarray:
+        """Unit direction, in the FFN output space of `layer`, that raises `token` against each context's own
+        candidates: the mean over contexts of (w_token - E_p[w]) over the top candidates, through the final
+        norm's weight (and divided by the layer's post-FFN norm weight, which the FFN output passes through)."""
+        pulls = []
+        for z in logits:
+            top = np.argsort(-z)[:24]
+            top = top[top != token]
+            p = softmax(z[top].astype(np.float64))
+            rows = self.output_rows(np.concatenate([[token], top]))
+            pulls.append(rows[0] - p @ rows[1:])
+        v = np.mean(pulls, axis=0) * self.model.transformer.output_norm
+        post = self.post_ffn_norm(layer)
+        if post is not None:
+            scale = np.abs(post)
+            v = np.where(scale > 0.1 * np.median(scale), v / np.where(post == 0, 1, post), 0.0)
+        return unit(v).astype(np.float32)
+
+    def free_slots(self, layer: int, claimed: set[int], residuals: np.ndarray, n: int) -> list[int]:
+        """The n unclaimed features least engaged by ordinary inputs (smallest mean |gate score| over the
+        negatives), so giving up their base weights where the new feature fires changes least."""
         scores = self.model.ffn.gate_scores(layer, residuals.astype(np.float32))        # (N, F)
         engagement = np.mean(np.abs(scores), axis=0)
         norms = np.linalg.norm(self.base.down_matrix(layer), axis=0)
-        for f in np.lexsort((norms, engagement)):
-            if int(f) not in claimed:
-                return int(f)
-        raise ValueError(f"layer {layer} has no free feature slot left")
+        free = [int(f) for f in np.lexsort((norms, engagement)) if int(f) not in claimed]
+        if len(free) < n:
+            raise ValueError(f"layer {layer} has no free feature slot left")
+        return free[:n]
+
+    # -- INSERT -------------------------------------------------------------------------------------------
+    def contexts(self, fact: Fact, paraphrases: Sequence[str]) -> list[tuple[int, ...]]:
+        """Token contexts whose next token must be the target's first: the canonical prompt, the user's
+        paraphrases, the generated phrasings and (chat models) chat questions with the answer begun."""
+        texts = [fact.canonical_prompt, *paraphrases, *generated_phrasings(fact)]
+        seen, out = set(), []
+        for text in texts:
+            ids = tuple(self.encode(text.rstrip()))
+            if ids not in seen:
+                seen.add(ids)
+                out.append(ids)
+        if self.model.is_chat:
+            r, e = fact.relation_words, fact.entity.strip()
+            for q in QUESTIONS:
+                chat = self.model.encode_prompt([{"role": "user", "content": fill(q, r, e)}])
+                for start in ANSWER_STARTS:
+                    out.append(tuple(chat + self.model.tokenizer.encode(fill(start, r, e), add_bos=False)))
+        return out
+
+    def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
+        r, e = fact.relation_words, fact.entity.strip()
+        texts = []
+        same_relation = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
+                         "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
+        for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
+            texts.append(fill(same_relation[i % len(same_relation)], r, other))
+        texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
+        texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
+        texts += GENERIC_SENTENCES
+        # Earlier facts: this feature must not fire on their questions.
+        for op in (op for p in current.patches for op in p.operations):
+            if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
+                try:
+                    earlier = Fact(op.entity, op.relation, op.target)
+                except ValueError:
+                    continue
+                texts += [earlier.canonical_prompt, fill(same_relation[2], earlier.relation_words,
+                                                         earlier.entity.strip())]
+        # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
+        # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
+        texts = list(dict.fromkeys(texts))
+        out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
+               for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+        if self.model.is_chat:
+            # Chat questions about other things, as the turns of two conversations (each user turn ends in the
+            # position where the assistant starts: the feature must stay silent there too).
+            questions = GENERIC_QUESTIONS + tuple(fill(QUESTIONS[0], r, w) for w in DECOY_ENTITIES[:4])
+            for half in (questions[::2], questions[1::2]):
+                messages = []
+                for q in half:
+                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
+                out.append(tuple(self.model.encode_prompt(messages[:-1])))
+        return out
 
     def insert(self, fact: Fact, current: PatchOverlay, layer: int | None = None, alpha: float = 0.1,
-               progress: Progress | None = None) -> InsertResult:
-        """Install `fact` on top of `current`. Without an explicit layer, LARQL's default layer is tried first,
-        then its neighbours in the knowledge band, until the target reaches P_LOW."""
+               progress: Progress | None = None, paraphrases: Sequence[str] = (), cancel=None) -> InsertResult:
+        """Install `fact` on top of `current`: one or more features per target token. `layer` pins the first
+        layer tried (the default tries the late half of the network, best separated first); `alpha` is the
+        smallest value scale tried, as a share of the usual one. `cancel`: a threading.Event (or a callable)
+        checked between steps; InsertCancelled is raised when it is set."""
         cfg = self.model.config
         if layer is not None and not 0 <= layer < cfg.n_layers:
             raise ValueError(f"layer must be within 0..{cfg.n_layers - 1}, not {layer}")
@@ -176,82 +379,218 @@ class Inserter:
             raise ValueError(f"alpha must be a finite number (NaN and infinity are not), not {alpha}")
         if not 0 < alpha <= 100:
             raise ValueError(f"alpha must be in (0, 100], not {alpha}")
+        paraphrases = [p for p in (paraphrases or ()) if isinstance(p, str) and p.strip()]
+        stop = Cancel(cancel)
+        report = progress or (lambda message, fraction: None)
+        targets = self.target_tokens(fact.target)
+        stop.check()
+        report("Reading the fact's contexts", 0.02)
+        positives = self.contexts(fact, paraphrases)
+        negatives = self.negative_contexts(fact, current)
+        report("Capturing the contexts it must leave alone", 0.05)
+        negative_inputs = []
+        for ids in negatives:
+            stop.check()
+            # Under the base weights: earlier facts' features fire only on their own questions, and so the
+            # captures serve every later insert of this engine too.
+            negative_inputs.append(self.capture(ids, PatchOverlay(), remember=True)[0])
+        features: list[InstalledFeature] = []
+        ops: list[PatchOperation] = []
+        overlay = current
+        rounds = 0
+        candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
         if layer is not None:
-            candidates = [layer]
-        else:
-            # LARQL's layer first; then later layers (closer to the output, where a small model often needs
-            # the write), then the two before it.
-            home = default_layer(cfg.n_layers)
-            candidates = [home, *range(home + 1, cfg.n_layers - 1), home - 1, home - 2]
-        best = None
-        for i, candidate in enumerate(candidates):
-            def step(message, fraction, i=i):
-                if progress:
-                    progress(message, (i + fraction) / len(candidates))
-            result = self._install_at(fact, current, candidate, alpha, step)
-            if best is None or result.probability > best.probability:
-                best = result
-            if result.probability >= P_LOW:
-                break
-        if progress:
-            progress("Inserted", 1.0)
-        return best
+            candidates = [layer] + [c for c in candidates if c != layer]
+        previous = ((), [])
+        for j, token in enumerate(targets):
+            base_fraction = 0.1 + 0.85 * j / len(targets)
+            span = 0.85 / len(targets)
+            # Later tokens follow a distinctive prefix (the target's first tokens): a spread of the contexts
+            # keys them well enough, for a fraction of the forward passes.
+            contexts = [ids + tuple(targets[:j]) for ids in (positives if j == 0 else
+                                                             [positives[i] for i in spread(len(positives))])]
+            stop.check()
+            if j > 0 and self.completes(*previous, targets[j - 1], token, overlay) >= WIN_SHARE:
+                continue          # the model completes the word itself once it has begun it
+            report(f"Token {j + 1}/{len(targets)}: capturing {len(contexts)} contexts", base_fraction)
+            captured = [self.capture(ids, overlay) for ids in contexts]
+            # Non-answer positions of the positives are negatives too; so are the negatives' all positions
+            # and, for later tokens, the answer positions of the earlier ones.
+            inner_negatives = inner_negative_positions(contexts)
+            tried = 0
+            for candidate in candidates:
+                if tried >= MAX_LAYERS_PER_TOKEN:
+                    break
+                stop.check()
+                fraction = base_fraction + span * (0.2 + 0.7 * tried / MAX_LAYERS_PER_TOKEN)
+                report(f"Token {j + 1}/{len(targets)}: solving the key at layer {candidate}", fraction)
+                pos = np.stack([c[0][candidate][-1] for c in captured])
+                neg = np.concatenate([c[0][candidate][keep] for c, keep in zip(captured, inner_negatives)]
+                                     + [n[candidate] for n in negative_inputs])
+                gate, bias, up, margin = fisher_key(pos, neg, self.activation)
+                if margin <= 0 and candidate != layer:
+                    continue         # this layer cannot tell the fact's questions from the rest
+                claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
+                slot = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 1)[0]
+                direction = self.value_direction(token, [c[1] for c in captured], candidate)
+                op_for = lambda scale: PatchOperation(
+                    "insert", candidate, slot, gate, up, (direction * scale).astype(np.float32), bias,
+                    fact.entity, fact.relation, fact.target, target_token=int(token), token_index=j)
+                scale, share, spent = self.balance([(ids, c[2]) for ids, c in zip(contexts, captured)], token,
+                                                   overlay, op_for, alpha, stop,
+                                                   lambda i, n: report(f"Token {j + 1}/{len(targets)}: "
+                                                                       f"balancing layer {candidate} ({i}/{n})",
+                                                                       fraction))
+                rounds += spent
+                tried += 1
+                op = op_for(scale)
+                ops.append(op)
+                features.append(InstalledFeature(candidate, slot, int(token), j, float(margin)))
+                overlay = self.overlay_with(current, ops, fact)
+                if share >= WIN_SHARE:
+                    break
+                # Not enough from this layer: the next layer adds its own push on top of this one.
+                captured = [self.capture(ids, overlay) for ids in contexts]
+            previous = (contexts, captured)
+        stop.check()
+        report("Checking the canonical prompt", 0.97)
+        patch = self.make_patch(fact, ops, paraphrases)
+        final = PatchOverlay.build(current.patches + (patch,), self.base)
+        canonical = self.encode(fact.canonical_prompt)
+        p_first = float(softmax(self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1])[targets[0]])
+        answers = self.greedy(canonical, final, len(targets)) == targets
+        train = [self.greedy(positives[i], final, len(targets)) == targets for i in spread(len(positives))[:6]]
+        report("Inserted", 1.0)
+        first = features[0] if features else InstalledFeature(-1, -1, targets[0], 0, 0.0)
+        return InsertResult(fact, first.layer, first.feature, p_first, rounds, patch, tuple(features),
+                            tuple(targets), answers, float(np.mean(train)))
 
-    def _install_at(self, fact: Fact, current: PatchOverlay, layer: int, alpha: float, step) -> InsertResult:
-        step(f"Layer {layer}: capturing the canonical prompt's residual", 0.05)
-        token = self.target_token(fact.target)
-        embed = self.model.transformer.embed(np.array([token]))[0]          # already scaled by embed_scale
-        own = self.ffn_inputs(fact.canonical_prompt, layer)
-        r = own[-1]
-        step(f"Layer {layer}: capturing decoy residuals", 0.15)
-        # Decoys: every position of the same template with other entities, of a few plain sentences, of the
-        # canonical prompt before its last token, and the last positions of earlier facts at this layer.
-        basis = [own[:-1]]
-        basis += [self.ffn_inputs(fact.prompt_for(w), layer) for w in DECOY_WORDS
-                  if w.lower() != fact.entity.strip().lower()]
-        basis += [self.ffn_inputs(text, layer) for text in GENERIC_SENTENCES]
-        earlier = [op for p in current.patches for op in p.operations if op.op == "insert"]
-        basis += [self.ffn_inputs(Fact(op.entity, op.relation, op.target).canonical_prompt, layer)[-1:]
-                  for op in earlier if op.layer == layer]
-        decoys = np.concatenate(basis)
-        direction = orthogonalise(r, list(decoys))
-        g_ref, u_ref, d_ref = self.reference_norms(layer)
-        feature = self.free_slot(layer, current.claimed(layer), decoys)
-        gate = unit(direction) * g_ref * GATE_GAIN
-        gate_bias = -ACTIVATION_THRESHOLD * float(r @ gate)
-        up = unit(direction) * u_ref
-        down = unit(embed) * d_ref * alpha
+    def make_patch(self, fact: Fact, ops: list[PatchOperation], paraphrases: Sequence[str]) -> Patch:
+        layers = sorted({op.layer for op in ops})
+        description = (f"INSERT ({fact.entity}, {fact.relation}, {fact.target}): {len(ops)} feature(s) at "
+                       f"layer(s) {', '.join(map(str, layers))}")
+        if paraphrases:
+            description += f"; {len(paraphrases)} paraphrase(s) given"
+        if not ops:
+            raise ValueError(f"no layer could hold ({fact.entity}, {fact.relation}, {fact.target})")
+        return Patch(tuple(ops), self.model.name, self.model.checksum, description=description)
 
-        def overlay_with(down_vec):
-            op = PatchOperation("insert", layer, feature, gate.astype(np.float32), up.astype(np.float32),
-                                down_vec.astype(np.float32), gate_bias, fact.entity, fact.relation, fact.target)
-            patch = Patch((op,), self.model.name, self.model.checksum,
-                          description=f"INSERT ({fact.entity}, {fact.relation}, {fact.target}) AT LAYER {layer}")
-            return PatchOverlay.build(current.patches + (patch,), self.base), patch
+    def overlay_with(self, current: PatchOverlay, ops: list[PatchOperation], fact: Fact) -> PatchOverlay:
+        patch = Patch(tuple(ops), self.model.name, self.model.checksum)
+        return PatchOverlay.build(current.patches + (patch,), self.base)
 
-        # Balance. The target probability is far from monotonic in the down vector's scale (a write too strong
-        # overshoots into other tokens), so LARQL's x1.6 / x0.7 steps are taken over a whole ladder of scales
-        # and the smallest scale that lands in [P_LOW, P_HIGH] wins (least disturbance elsewhere); failing
-        # that the smallest above P_HIGH, failing that the most probable.
-        scales = [1.6 ** k for k in range(-4, 9)]
-        trials = []
+    def completes(self, contexts, captured, last: int, token: int, overlay: PatchOverlay) -> float:
+        """Share of a spread of the contexts whose greedy next token after `last` is `token` under the overlay
+        (its context's last position and `last` re-run on the captured KV cache)."""
+        ffn = self.ffn(overlay)
+        won = []
+        for i in spread(len(captured)):
+            ids, kv = contexts[i], captured[i][2]
+            kv.truncate(len(ids) - 1)
+            won.append(int(np.argmax(self.model.transformer.forward([ids[-1], last], kv, ffn)[-1])) == token)
+        return float(np.mean(won)) if won else 0.0
+
+    def balance(self, contexts, token, overlay, op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
+        """The smallest value scale on the SCALES ladder at which the target wins on WIN_SHARE of a spread of
+        the contexts (each trial one single-token forward per context on top of its prefix's KV cache), with
+        some headroom; the best scale found when none does. Returns (scale, share won, forward passes spent)."""
+        transformer = self.model.transformer
+        prefixes = []
+        for i in spread(len(contexts)):
+            ids, kv = contexts[i]
+            prefixes.append((kv, ids[-1], len(ids) - 1))
+        spent = 0
+        scales = [s * alpha / 0.1 for s in SCALES]
+
+        def share_at(scale: float) -> float:
+            nonlocal spent
+            ops_overlay = PatchOverlay.build(overlay.patches + (Patch((op_for(scale),), "", ""),), self.base)
+            ffn = self.ffn(ops_overlay)
+            won = 0
+            for kv, last, length in prefixes:
+                kv.truncate(length)
+                won += int(np.argmax(transformer.forward([last], kv, ffn)[-1]) == token)
+                spent += 1
+            return won / len(prefixes)
+
+        # Upward along the ladder until the target wins (a write too strong overshoots into other tokens, so
+        # the share is not monotonic in the scale), then one geometric midpoint back towards the last miss.
+        best_scale, best_share = scales[0], -1.0
+        previous = None
         for i, scale in enumerate(scales):
-            step(f"Layer {layer}: balancing the down vector ({i + 1}/{len(scales)})", 0.2 + 0.6 * i / len(scales))
-            trials.append((scale, self.probability(fact.canonical_prompt, token, overlay_with(down * scale)[0])))
-        in_band = [t for t in trials if P_LOW <= t[1] <= P_HIGH]
-        above = [t for t in trials if t[1] > P_HIGH]
-        scale = (in_band or above or [max(trials, key=lambda t: t[1])])[0][0]
-        down = down * scale
-        # Cross-fact check: do not let an earlier fact fall below the floor.
-        earlier_checks = [(Fact(op.entity, op.relation, op.target), self.target_token(op.target)) for op in earlier]
-        for _ in range(8 if earlier_checks else 0):
-            overlay, _ = overlay_with(down)
-            if all(self.probability(f.canonical_prompt, t, overlay) >= P_EARLIER_FLOOR for f, t in earlier_checks):
-                break
-            down = down * 0.7
-        overlay, patch = overlay_with(down)
-        final_p = self.probability(fact.canonical_prompt, token, overlay)
-        return InsertResult(fact, layer, feature, final_p, len(trials), patch)
+            stop.check()
+            tick(i + 1, len(scales))
+            share = share_at(scale)
+            if share > best_share:
+                best_scale, best_share = scale, share
+            if share >= WIN_SHARE:
+                if previous is not None:
+                    middle = float(np.sqrt(previous * scale))
+                    if share_at(middle) >= WIN_SHARE:
+                        scale = middle
+                # A little headroom over the bare minimum, for phrasings it was not shown.
+                return scale * HEADROOM, share, spent
+            if best_share > 0 and share < best_share / 2:
+                break        # overshooting: larger writes only lose more
+            previous = scale
+        return best_scale, best_share, spent
+
+
+def fisher_key(pos: np.ndarray, neg: np.ndarray, activation) -> tuple[np.ndarray, float, np.ndarray, float]:
+    """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
+
+    The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
+    the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
+    scaled so the positives' median scores 1 above it. The up row makes the feature's output on a typical
+    positive equal its down vector (up . mu_pos / act(1) = 1), so the down vector's scale reads as the write's
+    size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
+    median distance to the threshold), negative when the two overlap."""
+    pos = pos.astype(np.float64)
+    neg = neg.astype(np.float64)
+    mu_p, mu_n = pos.mean(0), neg.mean(0)
+    cov = np.cov(pos, rowvar=False) if len(pos) > 1 else np.zeros((pos.shape[1],) * 2)
+    cov = cov + np.cov(neg, rowvar=False)
+    ridge = RIDGE * np.trace(cov) / cov.shape[0]
+    w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
+    sp, sn = pos @ w, neg @ w
+    low, high = float(np.min(sp)), float(np.max(sn))
+    if low > high:
+        threshold = high + THRESHOLD_SHARE * (low - high)
+    else:
+        # Overlap: keep the negatives silent; the positives above their top still fire.
+        threshold = high
+    median = float(np.median(sp)) - threshold
+    if median <= 0:
+        median = max(float(np.max(sp)) - threshold, 1e-6)
+    gate = w / median
+    bias = -threshold / median
+    up = mu_p / (float(mu_p @ mu_p) * float(activation(np.array([1.0], np.float32))[0]))
+    margin = (low - high) / median
+    return gate.astype(np.float32), float(bias), up.astype(np.float32), float(margin)
+
+
+def spread(n: int) -> list[int]:
+    """Up to BALANCE_CONTEXTS indices spread over n contexts, the first (the canonical prompt) always: the
+    contexts are listed canonical, the user's, generated, chat, so a spread covers every kind."""
+    return sorted({0, *np.linspace(0, n - 1, min(n, BALANCE_CONTEXTS)).astype(int).tolist()}) if n else []
+
+
+def inner_negative_positions(contexts: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Per context, the positions before its last that are negatives: all but those where another context
+    (a positive) ends, e.g. the "is" of "The capital of X is called" is the answer position of "... X is"."""
+    ends = set(contexts)
+    return [np.array([t for t in range(len(c) - 1) if c[:t + 1] not in ends], np.int64) for c in contexts]
+
+
+def share_winning(captured, token: int) -> float:
+    return float(np.mean([int(np.argmax(c[1])) == token for c in captured]))
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max()
+    p = np.exp(z)
+    return p / p.sum()
 
 
 def unit(v: np.ndarray) -> np.ndarray:
@@ -259,21 +598,3 @@ def unit(v: np.ndarray) -> np.ndarray:
     if n == 0.0:
         raise ValueError("cannot normalise a zero vector")
     return v / n
-
-
-def orthogonalise(r: np.ndarray, basis: list[np.ndarray], tiny: float = 1e-6) -> np.ndarray:
-    """r minus its projection on span(basis) (Gram-Schmidt, tiny vectors dropped); r itself if nothing is left."""
-    ortho: list[np.ndarray] = []
-    for b in basis:
-        v = b.astype(np.float64)
-        for q in ortho:
-            v = v - (v @ q) * q
-        n = np.linalg.norm(v)
-        if n > tiny * max(np.linalg.norm(b), 1e-30):
-            ortho.append(v / n)
-    out = r.astype(np.float64)
-    for q in ortho:
-        out = out - (out @ q) * q
-    if np.linalg.norm(out) < 1e-3 * np.linalg.norm(r):
-        return r.astype(np.float32)
-    return out.astype(np.float32)

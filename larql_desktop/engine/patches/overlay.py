@@ -77,11 +77,19 @@ class PatchOperation:
     entity: str = ""
     relation: str = ""
     target: str = ""
+    # What an INSERT feature writes: the target token id, and its place among the target's tokens (a
+    # multi-token target has one or more features per token, each firing on the context before it).
+    target_token: int | None = None
+    token_index: int | None = None
 
     def to_json(self) -> dict:
         doc = {"op": self.op, "layer": self.layer, "feature": self.feature}
         if self.op == "insert":
             doc.update(entity=self.entity, relation=self.relation, target=self.target)
+            if self.target_token is not None:
+                doc["target_token"] = int(self.target_token)
+            if self.token_index is not None:
+                doc["token_index"] = int(self.token_index)
         for name in ("gate", "up", "down"):
             v = getattr(self, name)
             if v is not None:
@@ -124,8 +132,18 @@ class Patch:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
 
+def _optional_index(o: dict, key: str, limit: int | None, where: str) -> int | None:
+    value = o.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (limit is not None and value >= limit):
+        bound = f"0..{limit - 1}" if limit is not None else "0 or more"
+        raise PatchError(f"{where}: {key} {value!r} is out of range {bound}")
+    return value
+
+
 def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum: str | None,
-                source: str = "patch") -> Patch:
+                source: str = "patch", vocab: int | None = None) -> Patch:
     """Validate a whole patch document; any problem refuses all of it with a message naming the problem."""
     if not isinstance(doc, dict):
         raise PatchError(f"{source}: expected a JSON object")
@@ -179,8 +197,12 @@ def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum:
         texts = {k: o.get(k, "") for k in ("entity", "relation", "target")}
         if not all(isinstance(v, str) for v in texts.values()):
             raise PatchError(f"{where}: entity, relation and target must be strings")
+        token = _optional_index(o, "target_token", vocab, where)
+        index = _optional_index(o, "token_index", None, where)
+        if kind != "insert" and (token is not None or index is not None):
+            raise PatchError(f"{where}: only an insert names a target token")
         ops.append(PatchOperation(kind, layer, feature, **vectors, gate_bias=None if bias is None else float(bias),
-                                  **texts))
+                                  **texts, target_token=token, token_index=index))
     return Patch(tuple(ops), str(doc.get("base_model", "")), base_checksum, str(doc.get("description", "")),
                  str(doc.get("created_at", "")))
 

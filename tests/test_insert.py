@@ -1,0 +1,130 @@
+"""INSERT on the real models: whole multi-token words, keys that hold beyond one sentence, cancellation,
+what a patch records, and insert-eval."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import DATA_DIR
+from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.patches.insert import Fact, InsertCancelled, generated_phrasings
+from larql_desktop.tools.insert_eval import (contains_word, default_engine_factory, format_report, read_facts,
+                                             run_insert_eval, starts_with_word)
+
+
+def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    fact = Fact("Zorbania", "currency-of", "Glimmer")
+    tokens = ins.target_tokens(fact.target)
+    assert len(tokens) >= 2                       # the point of the test: "Glimmer" is several tokens
+    before = ins.continuation(fact.canonical_prompt, engine.patches, len(tokens) + 2)[0]
+    assert not starts_with_word(before, fact.target)
+    result = engine.insert(fact)
+    after = ins.continuation(fact.canonical_prompt, engine.patches, len(tokens) + 2)[0]
+    assert starts_with_word(after, fact.target), after
+    assert result.answers and result.target_tokens == tuple(tokens)
+    ops = result.patch.operations
+    # Every feature is recorded with the token it writes and its place in the target.
+    assert all(op.target_token == tokens[op.token_index] for op in ops)
+    assert {op.token_index for op in ops} >= {0}
+    assert [(f.layer, f.feature) for f in result.features] == [(op.layer, op.feature) for op in ops]
+    # Each feature's slot is its own.
+    assert len({(op.layer, op.feature) for op in ops}) == len(ops)
+
+
+def test_keys_hold_on_a_paraphrase_the_insert_was_given(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    fact = Fact("Velmora", "founder-of", "Aldric")
+    paraphrase = "Velmora was founded long ago by a man called"
+    assert paraphrase not in generated_phrasings(fact)
+    n = len(ins.target_tokens(fact.target)) + 2
+    assert not starts_with_word(ins.continuation(paraphrase, engine.patches, n)[0], fact.target)
+    engine.insert(fact, paraphrases=[paraphrase])
+    assert starts_with_word(ins.continuation(paraphrase, engine.patches, n)[0], fact.target)
+    # An unrelated prompt is untouched.
+    control = "Water boils at a temperature of"
+    assert ins.continuation(control, engine.patches)[1] == ins.continuation(control, type(engine.patches)())[1]
+
+
+def test_cancel_stops_the_insert_and_installs_nothing(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(InsertCancelled, match="cancelled"):
+        engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), cancel=cancel)
+    assert engine.applied_patches == ()
+    # Cancelled mid-way: the flag is raised from the progress callback once the work has started.
+    seen = []
+    running = threading.Event()
+
+    def progress(message, fraction):
+        seen.append(fraction)
+        if fraction >= 0.1:
+            running.set()
+
+    with pytest.raises(InsertCancelled):
+        engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), progress=progress, cancel=running)
+    assert engine.applied_patches == () and engine.patches.overridden_layers == []
+    assert seen and max(seen) < 1.0 and seen == sorted(seen)
+    # A callable works as the flag too.
+    with pytest.raises(InsertCancelled):
+        engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), cancel=lambda: True)
+
+
+def test_gemma_insert_answers_and_its_layers_are_recorded(gemma3):
+    engine = LarqlEngine(gemma3, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    fact = Fact("Atlantis", "capital-of", "Poseidon")
+    result = engine.insert(fact)
+    n = len(result.target_tokens) + 2
+    assert starts_with_word(ins.continuation(fact.canonical_prompt, engine.patches, n)[0], fact.target)
+    assert result.patch.layers == result.layers == engine.patches.overridden_layers
+    assert f"layer(s) {', '.join(map(str, result.layers))}" in result.patch.description
+
+
+def test_word_checks():
+    assert starts_with_word(" Poseidon, the god", "Poseidon")
+    assert not starts_with_word(" Poseidia, a city", "Poseidon")
+    assert not starts_with_word(" Poseidonia", "Poseidon")
+    assert contains_word("The capital of Atlantis is Poseidon.", "Poseidon")
+    assert not contains_word("The capital is Poseidonia.", "Poseidon")
+
+
+def test_facts_files_are_checked(tmp_path):
+    facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
+    assert len(facts) == 6 and controls
+    own, _ = read_facts(DATA_DIR / "insert_own_facts.json")
+    assert {f.entity for f in own}.isdisjoint(f.entity for f in facts)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"facts": [{"entity": "A", "relation": "r", "target": "", "probe": "p"}]}))
+    with pytest.raises(ValueError, match="'target' must be a non-empty string"):
+        read_facts(bad)
+    bad.write_text(json.dumps({"facts": [{"entity": "A", "relation": "r", "target": "t", "probe": "p",
+                                          "paraphrases": "not a list"}]}))
+    with pytest.raises(ValueError, match="'paraphrases' must be a list"):
+        read_facts(bad)
+    bad.write_text(json.dumps({"facts": []}))
+    with pytest.raises(ValueError, match="non-empty 'facts' list"):
+        read_facts(bad)
+
+
+def test_insert_eval_on_one_fact(smollm2, tmp_path):
+    facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
+    report = run_insert_eval(default_engine_factory(smollm2), facts[:1], controls[:2])
+    s = report.scores
+    assert s["canonical"].passed == s["canonical"].total == 1
+    assert s["paraphrases"].total == 4 and s["chat"].total == 2 and s["neighbours"].total == 4
+    assert s["controls"].passed == s["controls"].total == 2
+    assert s["together canonical"].passed == 1
+    assert len(report.insert_seconds) == 2
+    lines = format_report(report)
+    assert any(line.startswith("canonical") and "1/1" in line for line in lines)
+    doc = report.to_dict()
+    assert doc["details"][0]["prompts"][0]["row"] == "canonical"
+    json.dumps(doc)   # serialisable as --json writes it
