@@ -68,6 +68,14 @@ def open_persistent_cache(paths: AppPaths, spec: str = "sqlite") -> tuple[L3Stor
     return store, None
 
 
+def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, threads: int, l3: L3Store | None,
+                      serve=None, applied: AppliedPatchStore | None = None) -> tuple[EngineClient, MainWindow]:
+    """The engine client and the window as the app wires them (run_app, and `bench`'s app mode)."""
+    client = EngineClient(paths, threads=threads, l3=l3, serve=serve,
+                          applied=applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
+    return client, MainWindow(client, settings, app)
+
+
 def _log_uncaught(exc_type, exc, tb) -> None:
     # PySide prints exceptions raised in slots and carries on; keep them in the log file too.
     log.error("uncaught exception", exc_info=(exc_type, exc, tb))
@@ -85,9 +93,7 @@ def run_app(args, serve=None) -> int:
     app.setWindowIcon(app_icon())
     settings = open_settings(paths)
     l3, warning = open_persistent_cache(paths)
-    client = EngineClient(paths, threads=args.threads, l3=l3, serve=serve,
-                          applied=AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
-    window = MainWindow(client, settings, app)
+    client, window = build_main_window(app, paths, settings, args.threads, l3, serve)
     window.show()
     if warning:
         window.show_warning(warning)

@@ -1,7 +1,7 @@
 """One chat: its transcript view and its draft. Behaviour lives in MainWindow; this is layout and rendering."""
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QFont, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QHBoxLayout, QPlainTextEdit, QSplitter, QTextBrowser, QToolButton, QVBoxLayout,
                                QWidget)
@@ -9,6 +9,9 @@ from PySide6.QtWidgets import (QHBoxLayout, QPlainTextEdit, QSplitter, QTextBrow
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
+# Streamed text reaches the view at most this often: a layout and repaint per token took the GUI thread's share of
+# the GIL and of the cores from the decode (the transcript itself takes each token at once).
+APPEND_INTERVAL_MS = 50
 
 
 class ChatTab(QWidget):
@@ -17,6 +20,11 @@ class ChatTab(QWidget):
         self.session_id = session_id
         self.title = title
         self.transcript = Transcript()
+        self._unshown = ""      # streamed text the view has yet to show
+        self._append_timer = QTimer(self)
+        self._append_timer.setSingleShot(True)
+        self._append_timer.setInterval(APPEND_INTERVAL_MS)
+        self._append_timer.timeout.connect(self.flush_stream)
         self.view = QTextBrowser()
         self.view.setOpenExternalLinks(False)
         self.view.setAccessibleName(f"{title} transcript")
@@ -62,6 +70,8 @@ class ChatTab(QWidget):
 
     def render(self) -> None:
         """Rebuild the whole view from the transcript (on structural changes; tokens go through `append`)."""
+        self._append_timer.stop()
+        self._unshown = ""      # the transcript has it: rebuilt below
         formats = self._formats()
         doc = self.view.document()
         doc.clear()
@@ -91,8 +101,17 @@ class ChatTab(QWidget):
         self._scroll_to_end()
 
     def append(self, text: str) -> None:
-        """Add streamed text to the reply being generated (the document's last block)."""
+        """Add streamed text to the reply being generated; the view shows it within APPEND_INTERVAL_MS."""
         self.transcript.append(text)
+        self._unshown += text
+        if not self._append_timer.isActive():
+            self._append_timer.start()
+
+    def flush_stream(self) -> None:
+        """Show the streamed text not yet shown (the document's last block)."""
+        text, self._unshown = self._unshown, ""
+        if not text:
+            return
         at_end = self._at_end()
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.End)

@@ -1,0 +1,130 @@
+"""`bench`'s `app` mode: the real window, offscreen, decoding as the user sees it.
+
+The window and the engine thread are wired as run_app wires them (build_main_window), with the app's default
+cache settings (walk FFN, L1 + L2 + a persistent SQLite L3), a fresh settings file, patch store and L3 file in a
+temporary directory, and the cache monitor shown and redrawing. Every run starts from cold caches (L1, L2 and L3
+cleared), opens a new chat, types the prompt and sends it; the figures are taken in the GUI thread when each
+TokenEvent arrives there (what the user sees), beside the engine's own per-step forward times.
+
+The chat honours stop tokens, so a run may decode fewer than `tokens - 1` steps; its tok/s counts the steps it
+decoded.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from larql_desktop.tools.bench import RunTiming, peak_rss_bytes, summarise
+
+REPLY_TIMEOUT_S = 600.0
+
+
+def run_app_worker(spec: dict) -> dict:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6.QtCore import QEventLoop, QSettings, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from larql_desktop.engine.cache.l3 import SqliteL3
+    from larql_desktop.engine.model.generation import SamplingSettings
+    from larql_desktop.engine.patches.applied import AppliedPatchStore
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.qt.app import build_main_window
+    from larql_desktop.qt.protocol import ClearCaches
+
+    tokens, runs, prompt = spec["tokens"], spec["runs"], spec["prompt"]
+    app = QApplication.instance() or QApplication(["larql-desktop-bench"])
+    paths = AppPaths.from_environment().ensure()    # the exported ONNX files are reused
+    with tempfile.TemporaryDirectory(prefix="larql-bench-app-") as tmp:
+        tmp_dir = Path(tmp)
+        l3 = SqliteL3(tmp_dir / "l3.sqlite3")
+        settings = QSettings(str(tmp_dir / "settings.ini"), QSettings.IniFormat)
+        client, window = build_main_window(app, paths, settings, spec["threads"], l3,
+                                           applied=AppliedPatchStore(tmp_dir / "patches"))
+        try:
+            window.show()
+
+            def wait_for(signal, what: str):
+                """Run the event loop until `signal` fires; returns its argument."""
+                loop, got = QEventLoop(), []
+
+                def on_signal(*args):
+                    got.append(args[0] if args else None)
+                    loop.quit()
+                signal.connect(on_signal)
+                timer = QTimer()
+                timer.setSingleShot(True)
+                timer.timeout.connect(loop.quit)
+                timer.start(int(REPLY_TIMEOUT_S * 1000))
+                try:
+                    loop.exec()
+                finally:
+                    signal.disconnect(on_signal)
+                    timer.stop()
+                if not got:
+                    raise TimeoutError(f"the app did not {what} within {REPLY_TIMEOUT_S:.0f} s")
+                return got[0]
+
+            errors = []
+            client.error.connect(lambda report: errors.append(report.describe()))
+            window.load_model(spec["model"])
+            info = wait_for(client.model_loaded, "load the model")
+            loaded_at = time.time()
+            rss_after_load = peak_rss_bytes()
+            window.sampling.set_settings(SamplingSettings(max_tokens=tokens))   # greedy
+            timings: list[RunTiming] = []
+            engine_decode: list[float] = []
+            all_tokens: list[list[int]] = []
+            process_first_token = None
+            for _ in range(runs):
+                client.submit(ClearCaches(client.next_request_id(), persistent=True))
+                wait_for(client.stats, "clear its caches")
+                tab = window.new_chat()
+                wait_for(client.stats, "switch to the new chat")
+                tab.input.setPlainText(prompt)
+                arrivals: list[tuple[float, object]] = []
+
+                def on_token(event, arrivals=arrivals):
+                    arrivals.append((time.perf_counter(), event))
+                client.token.connect(on_token)
+                submitted = time.perf_counter()
+                window.send()
+                try:
+                    finished = wait_for(client.reply_finished, "finish a reply")
+                finally:
+                    client.token.disconnect(on_token)
+                if errors:
+                    raise RuntimeError(f"the app reported: {errors[0]}")
+                events = [e for _, e in arrivals if not e.is_stop]
+                if len(events) < 2:
+                    raise RuntimeError(f"the reply had {len(events)} token(s); the bench needs a prompt with a "
+                                       "longer answer")
+                first, last = arrivals[0][0], arrivals[len(events) - 1][0]
+                if process_first_token is None:
+                    process_first_token = time.time() - (time.perf_counter() - first) - spec["spawned_at"]
+                decode_steps = len(events) - 1
+                timings.append(RunTiming(events[0].prompt_tokens, events[0].seconds, first - submitted,
+                                         decode_steps, last - first, [e.token_id for e in events], 0.0))
+                engine_decode.append(decode_steps / sum(e.seconds for e in events[1:]))
+                all_tokens.append([e.token_id for e in events])
+                del finished
+            result = {"mode": "app", "load_seconds": info.load_seconds,
+                      "load_from_process_start_s": loaded_at - spec["spawned_at"]}
+            result.update(summarise(timings))
+            result["engine_decode_tok_s"] = sorted(engine_decode)[len(engine_decode) // 2]
+            result["ttft_process_s"] = process_first_token
+            result["tokens"] = all_tokens[0]
+            result["identical_runs"] = all(t == all_tokens[0] for t in all_tokens)
+            stats = client.worker.engine.snapshot() if client.worker.engine is not None else None
+            if stats is not None:
+                result["cache"] = {"lookups": int(stats.lookups), "hits": int(stats.hits),
+                                   "hit_rate": stats.hits / stats.lookups if stats.lookups else None}
+            result["l3_status"] = {k: v for k, v in l3.status().items() if k in ("errors", "enabled")}
+            result["rss_after_load_mb"] = rss_after_load / 2**20 if rss_after_load else None
+            peak = peak_rss_bytes()
+            result["peak_rss_mb"] = peak / 2**20 if peak else None
+            return result
+        finally:
+            window.close()      # saves settings (into the temporary file), ends the engine thread
+            l3.close()
