@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "larql-desktop.log"
 SETTINGS_FILE = "larql-desktop.ini"
+GIL_SWITCH_INTERVAL = 0.0005   # seconds (Python's default: 0.005)
 APPLIED_PATCHES_DIR = "patches"   # under AppPaths.data: each model's applied patches, restored on launch
 
 
@@ -71,6 +72,10 @@ def open_persistent_cache(paths: AppPaths, spec: str = "sqlite") -> tuple[L3Stor
 def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, threads: int, l3: L3Store | None,
                       serve=None, applied: AppliedPatchStore | None = None) -> tuple[EngineClient, MainWindow]:
     """The engine client and the window as the app wires them (run_app, and `bench`'s app mode)."""
+    # The engine thread gives up the GIL for every onnxruntime call (a few per layer) and needs it back after
+    # each; at Python's default 5 ms switch interval a redraw in the GUI thread made it wait up to that long
+    # each time. A shorter interval hands the GIL back sooner.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     client = EngineClient(paths, threads=threads, l3=l3, serve=serve,
                           applied=applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
     return client, MainWindow(client, settings, app)

@@ -13,12 +13,24 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from larql_desktop.tools.bench import RunTiming, peak_rss_bytes, summarise
 
 REPLY_TIMEOUT_S = 600.0
+
+
+def _thread_cpu_seconds(name: str) -> float | None:
+    """CPU time of the live thread called `name` (None where the platform cannot tell)."""
+    thread = next((t for t in threading.enumerate() if t.name == name), None)
+    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, OverflowError):
+        return None
 
 
 def run_app_worker(spec: dict) -> dict:
@@ -77,6 +89,7 @@ def run_app_worker(spec: dict) -> dict:
             engine_decode: list[float] = []
             all_tokens: list[list[int]] = []
             process_first_token = None
+            cpu_ms: dict[str, list[float]] = {"gui": [], "engine": [], "l3-writer": []}
             for _ in range(runs):
                 client.submit(ClearCaches(client.next_request_id(), persistent=True))
                 wait_for(client.stats, "clear its caches")
@@ -88,12 +101,16 @@ def run_app_worker(spec: dict) -> dict:
                 def on_token(event, arrivals=arrivals):
                     arrivals.append((time.perf_counter(), event))
                 client.token.connect(on_token)
+                cpu_before = {"gui": time.thread_time(), "engine": _thread_cpu_seconds("engine"),
+                              "l3-writer": _thread_cpu_seconds("l3-writer")}
                 submitted = time.perf_counter()
                 window.send()
                 try:
                     finished = wait_for(client.reply_finished, "finish a reply")
                 finally:
                     client.token.disconnect(on_token)
+                cpu_after = {"gui": time.thread_time(), "engine": _thread_cpu_seconds("engine"),
+                             "l3-writer": _thread_cpu_seconds("l3-writer")}
                 if errors:
                     raise RuntimeError(f"the app reported: {errors[0]}")
                 events = [e for _, e in arrivals if not e.is_stop]
@@ -108,11 +125,15 @@ def run_app_worker(spec: dict) -> dict:
                                          decode_steps, last - first, [e.token_id for e in events], 0.0))
                 engine_decode.append(decode_steps / sum(e.seconds for e in events[1:]))
                 all_tokens.append([e.token_id for e in events])
+                for name, after in cpu_after.items():   # CPU per generated token: what the load cannot blur
+                    if after is not None:
+                        cpu_ms[name].append(1000 * (after - (cpu_before[name] or 0.0)) / len(events))
                 del finished
             result = {"mode": "app", "load_seconds": info.load_seconds,
                       "load_from_process_start_s": loaded_at - spec["spawned_at"]}
             result.update(summarise(timings))
             result["engine_decode_tok_s"] = sorted(engine_decode)[len(engine_decode) // 2]
+            result["cpu_ms_per_token"] = {name: sorted(v)[len(v) // 2] for name, v in cpu_ms.items() if v}
             result["ttft_process_s"] = process_first_token
             result["tokens"] = all_tokens[0]
             result["identical_runs"] = all(t == all_tokens[0] for t in all_tokens)

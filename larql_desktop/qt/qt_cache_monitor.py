@@ -26,7 +26,7 @@ REFRESH_HZ = 20
 # While a reply streams the charts redraw at this rate: a redraw of the six plots (their axes above all) takes the
 # GUI thread tens of ms of Python, which at 20 Hz held the GIL and a core against the decode (the app decoded at
 # ~40% of the headless speed).
-STREAMING_REFRESH_HZ = 2
+STREAMING_REFRESH_HZ = 1
 # L1 (per chat), L2 (per process) and the persistent L3 (when the app has a store: on by default).
 CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2", "L3"))
 TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
@@ -154,7 +154,10 @@ class CacheMonitor(QWidget):
         base = np.zeros_like(x)
         for name, bars in stack.items():
             h = np.asarray(heights[name], dtype=float)
-            bars.setOpts(x=x, y0=base.copy(), height=h)
+            shown = getattr(bars, "_shown", None)   # (x, y0, height) last drawn: only what changed is repainted
+            if shown is None or not all(np.array_equal(a, b) for a, b in zip(shown, (x, base, h))):
+                bars.setOpts(x=x, y0=base.copy(), height=h)
+                bars._shown = (x.copy(), base.copy(), h.copy())
             base = base + h
         top = max(float(base.max(initial=0.0)), 1.0)
         plot.setYRange(0, top * 1.08, padding=0)
@@ -501,7 +504,7 @@ class CacheMonitor(QWidget):
                 y = history.column(name)
                 if np.isfinite(y).any():
                     line.setData(history.t, y)
-                else:
+                elif line.xData is not None and len(line.xData):
                     line.setData([], [])   # an all-NaN series makes pyqtgraph warn about its bounds
         lowest = m.fidelity.column("min_cosine")
         lowest = float(np.nanmin(lowest)) if np.isfinite(lowest).any() else 1.0
