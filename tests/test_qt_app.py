@@ -14,6 +14,7 @@ from PySide6.QtCore import QObject, QSettings, Qt, Signal  # noqa: E402
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
+from larql_desktop.qt.qt_chat_tab import markdown_as_plain_text  # noqa: E402
 from larql_desktop.qt.reply_stats import COMPLETE, LENGTH, STOPPED  # noqa: E402
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
@@ -96,7 +97,9 @@ def test_prompt_streams_a_reply_with_a_stats_line(loaded, qtbot):
     assert reply.text.strip() and reply.text == finished.text
     assert "tok/s" in reply.footer and f"{finished.stats.tokens} token" in reply.footer
     shown = tab.view.toPlainText()
-    assert "Name three colours." in shown and reply.text.strip() in shown and reply.footer in shown
+    # Replies are rendered as Markdown (this one is a numbered list): the view shows the rendered text.
+    assert "Name three colours." in shown and markdown_as_plain_text(reply.text).strip() in shown
+    assert reply.footer in shown
     assert tab.input.toPlainText() == ""               # the draft went out
     assert loaded.send_action.isEnabled() and loaded.regenerate_action.isEnabled()
     assert not loaded.stop_action.isEnabled()

@@ -271,6 +271,7 @@ def test_the_persistent_l3_is_attached_and_serves_a_repeated_prompt_after_a_rest
 
     win, store = start()
     try:
+        win.new_chat()   # the first window's chat reopened with the app; the repeat goes to a fresh chat
         _, second = send(qtbot, win, PROMPT, max_tokens=10)
         assert second.text == first.text
         cache = second.stats.cache

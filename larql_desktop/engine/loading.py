@@ -78,6 +78,27 @@ class LoadedModel:
                            bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
                            eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
 
+    @property
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the chat template writes when the chat gives none (SmolLM2's names the assistant);
+        None when it writes none or cannot take one. Found by rendering with and without a marked system turn."""
+        if not self.is_chat:
+            return None
+        system, user = "\x00larql-system\x00", "\x00larql-user\x00"
+        try:
+            with_system = self.render_prompt([{"role": "system", "content": system},
+                                              {"role": "user", "content": user}])
+            without = self.render_prompt([{"role": "user", "content": user}])
+        except ValueError:   # a template that refuses system turns
+            return None
+        if system not in with_system:
+            return None
+        before, after = with_system.split(system, 1)
+        after = after[:after.index(user)] if user in after else after
+        # `after` holds the system turn's end and the user turn's start, which the default render shares.
+        end = without.find(after, len(before)) if without.startswith(before) and after else -1
+        return without[len(before):end] if end > len(before) else None
+
     def encode_prompt(self, messages: list[dict]) -> list[int]:
         text = self.render_prompt(messages)
         if self.is_chat:

@@ -9,6 +9,7 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
 from larql_desktop.engine.cache.l3 import L3Store, open_l3
+from larql_desktop.engine.catalog import DEFAULT_MODEL
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.qt.main_window import MainWindow
@@ -102,7 +103,8 @@ def run_app(args, serve=None) -> int:
     window.show()
     if warning:
         window.show_warning(warning)
-    window.load_model(args.model)
+    # An explicit --model wins; otherwise the model the app ran last comes back.
+    window.load_model(args.model if args.model != DEFAULT_MODEL else window.last_model(DEFAULT_MODEL))
     log.info("started; settings in %s, logs in %s, L3 %s", settings.fileName(), paths.log,
              l3.where if l3 is not None else "off")
     try:

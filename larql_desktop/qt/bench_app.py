@@ -11,6 +11,7 @@ decoded.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -47,9 +48,13 @@ def run_app_worker(spec: dict) -> dict:
 
     tokens, runs, prompt = spec["tokens"], spec["runs"], spec["prompt"]
     app = QApplication.instance() or QApplication(["larql-desktop-bench"])
-    paths = AppPaths.from_environment().ensure()    # the exported ONNX files are reused
+    user_paths = AppPaths.from_environment().ensure()
     with tempfile.TemporaryDirectory(prefix="larql-bench-app-") as tmp:
         tmp_dir = Path(tmp)
+        # The user's models and exported graphs; a data dir of its own (saved chats, patches), logs and config.
+        paths = dataclasses.replace(user_paths, data=tmp_dir / "data", log=tmp_dir / "log",
+                                    config=tmp_dir / "config").ensure()
+        paths.models_dir.symlink_to(user_paths.models_dir.resolve(), target_is_directory=True)
         l3 = SqliteL3(tmp_dir / "l3.sqlite3")
         settings = QSettings(str(tmp_dir / "settings.ini"), QSettings.IniFormat)
         client, window = build_main_window(app, paths, settings, spec["threads"], l3,

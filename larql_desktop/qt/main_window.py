@@ -1,18 +1,26 @@
-"""The main window: chat tabs, model picker, the tool panels (sampling, cache monitor, patch editor), status.
-Wiring and layout; the engine is elsewhere."""
+"""The main window: chat tabs, model picker, the tool panels (sampling, saved chats, tokens, cache monitor, patch
+editor), status. Wiring and layout; the engine is elsewhere.
+
+Every chat is saved as it happens (engine/chats.py, a SQLite file under the user data dir); the chats open when
+the app closed open again on launch, and the Chats panel lists, searches, renames and deletes the others."""
 from __future__ import annotations
 
 import itertools
 import logging
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout,
-                               QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget, QToolButton,
-                               QVBoxLayout, QWidget)
+                               QInputDialog, QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget,
+                               QToolButton, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
+from larql_desktop.engine.chats import CHATS_FILE, ChatStore, ChatStoreError, chat_to_json, chat_to_markdown
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.qt.qt_chat_panels import ChatsPanel, TokenView
+from larql_desktop.qt.transcript import ASSISTANT
 from larql_desktop.qt.protocol import (EngineActivity, ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats,
                                        TokenEvent)
 from larql_desktop.qt.qt_cache_monitor import CacheMonitor
@@ -29,6 +37,9 @@ from larql_desktop.qt.worker import EngineClient
 log = logging.getLogger(__name__)
 
 OPEN_GGUF = "__open_gguf__"   # the model picker's "Open GGUF file…" entry
+NEW_CHAT_TITLE = "New chat"    # replaced by the start of the first message unless the user renames the chat
+TITLE_LENGTH = 40
+TAB_TITLE_LENGTH = 24
 
 
 class ErrorBanner(QFrame):
@@ -71,8 +82,12 @@ class MainWindow(QMainWindow):
         self.client = client
         self.settings = settings
         self.app = app
-        self._session_ids = itertools.count(1)
+        self._session_ids = itertools.count(1)   # ids for chats the store could not save (negative)
         self._closed = False
+        # Saved chats; a database SQLite cannot use is set aside (the warning says where) and a fresh one started.
+        self.chats, chats_warning = ChatStore.open(client.paths.data / CHATS_FILE)
+        self._default_system_prompt: str | None = None
+        self._had_model = False   # a model was loaded in this window (a later load is a model change)
         self.setWindowTitle("larql-desktop")
         self.setWindowIcon(app_icon())
         self.setObjectName("mainWindow")
@@ -81,6 +96,16 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self.sampling = SamplingPanel()
         self.sampling_dock = self.add_panel("Sampling", self.sampling, shortcut="Ctrl+Shift+S")
+        self.sampling.changed.connect(self._on_sampling_changed)
+        self.sampling.system_prompt_changed.connect(self._on_system_prompt_changed)
+        self.chats_panel = ChatsPanel()
+        self.chats_dock = self.add_panel("Chats", self.chats_panel, shortcut="Ctrl+Shift+H")
+        self.chats_panel.open_requested.connect(self.open_saved_chat)
+        self.chats_panel.rename_requested.connect(self.rename_chat)
+        self.chats_panel.delete_requested.connect(self.delete_chat)
+        self.chats_panel.search_changed.connect(self._refresh_chat_list)
+        self.token_view = TokenView()
+        self.token_dock = self.add_panel("Tokens", self.token_view, shortcut="Ctrl+Shift+T")
         self.patch_editor = PatchEditor(client)
         self.patch_editor_dock = self.add_panel("Patch editor", self.patch_editor, shortcut="Ctrl+Shift+P")
         self.monitor = CacheMonitor(client)
@@ -111,8 +136,10 @@ class MainWindow(QMainWindow):
         client.busy_changed.connect(self._update_actions)
 
         self._restore_settings()
-        self.new_chat()
+        self._restore_chats()
         self._update_actions()
+        if chats_warning:
+            self.show_warning(chats_warning)
 
     # --- construction ---
 
@@ -137,6 +164,13 @@ class MainWindow(QMainWindow):
         self.stop_action = self._action("S&top", self.stop, ["Esc"], "Stop the reply")
         self.regenerate_action = self._action("&Regenerate", self.regenerate, ["Ctrl+R"],
                                               "Generate the last reply again")
+        self.rename_chat_action = self._action("Re&name chat…", lambda: self.rename_chat(self._current_chat_id()),
+                                               ["F2"])
+        self.export_markdown_action = self._action("Export chat as &Markdown…", lambda: self.export_dialog("md"),
+                                                   ["Ctrl+Shift+E"])
+        self.export_json_action = self._action("Export chat as &JSON…", lambda: self.export_dialog("json"))
+        self.copy_reply_action = self._action("&Copy last reply", self.copy_last_reply, ["Ctrl+Shift+C"])
+        self.show_tokens_action = self._action("Show &tokens of the last reply", self.show_last_reply_tokens)
         self.dark_theme_action = self._action("&Dark theme", self.set_dark_theme)
         self.dark_theme_action.setCheckable(True)
         # Connected to _on_serve_toggled once the controller exists (restoring the setting may check it).
@@ -148,12 +182,14 @@ class MainWindow(QMainWindow):
     def _build_menus(self) -> None:
         bar = self.menuBar()
         file_menu = bar.addMenu("&File")
-        for action in (self.new_chat_action, self.close_chat_action, self.open_gguf_action):
+        for action in (self.new_chat_action, self.close_chat_action, self.rename_chat_action, self.open_gguf_action,
+                       self.export_markdown_action, self.export_json_action):
             file_menu.addAction(action)
         file_menu.addSeparator()
         file_menu.addAction(self.quit_action)
         chat_menu = bar.addMenu("&Chat")
-        for action in (self.send_action, self.stop_action, self.regenerate_action):
+        for action in (self.send_action, self.stop_action, self.regenerate_action, self.copy_reply_action,
+                       self.show_tokens_action):
             chat_menu.addAction(action)
         view_menu = bar.addMenu("&View")
         view_menu.addAction(self.dark_theme_action)
@@ -260,29 +296,218 @@ class MainWindow(QMainWindow):
     def tab_for(self, session_id: int) -> ChatTab | None:
         return next((tab for tab in self.chat_tabs() if tab.session_id == session_id), None)
 
+    def _store(self, call: Callable, *args):
+        """A chats-store call; a failure is shown (the chat in the window carries on) and gives None."""
+        try:
+            return call(*args)
+        except ChatStoreError as exc:
+            self.show_error(f"Saved chats: {exc}")
+            return None
+
+    def _current_chat_id(self) -> int | None:
+        tab = self.current_tab()
+        return tab.session_id if tab is not None else None
+
+    def _add_tab(self, chat_id: int, title: str, sampling: SamplingSettings, system_prompt: str | None) -> ChatTab:
+        tab = ChatTab(chat_id, title, [self.send_action, self.stop_action, self.regenerate_action],
+                      sampling=sampling, system_prompt=system_prompt)
+        tab.tokens_requested.connect(lambda index, t=tab: self.show_tokens(t, index))
+        tab.token_clicked.connect(lambda index, token, t=tab: self.show_tokens(t, index, token))
+        self.tabs.setCurrentIndex(self.tabs.addTab(tab, _tab_text(title)))
+        self.tabs.setTabToolTip(self.tabs.indexOf(tab), title)
+        return tab
+
     @Slot()
     def new_chat(self) -> ChatTab:
-        session_id = next(self._session_ids)
-        tab = ChatTab(session_id, f"Chat {session_id}", [self.send_action, self.stop_action, self.regenerate_action])
-        self.tabs.setCurrentIndex(self.tabs.addTab(tab, tab.title))
+        try:
+            sampling = self.sampling.settings()   # a new chat starts from the settings last used
+        except ValueError:
+            sampling = SamplingSettings()
+        chat_id = self._store(self.chats.create_chat, NEW_CHAT_TITLE, sampling.to_dict(), None, self._model_key())
+        if chat_id is None:
+            chat_id = -next(self._session_ids)   # not saved, but usable
+        tab = self._add_tab(chat_id, NEW_CHAT_TITLE, sampling, None)
         tab.input.setFocus()
+        self._refresh_chat_list()
+        return tab
+
+    @Slot(int)
+    def open_saved_chat(self, chat_id: int) -> ChatTab | None:
+        """Show a saved chat in a tab (its own if it is open already); continuing it rebuilds its session."""
+        tab = self.tab_for(chat_id)
+        if tab is not None:
+            self.tabs.setCurrentWidget(tab)
+            return tab
+        chat = self._store(self.chats.load, chat_id)
+        if chat is None:
+            return None
+        try:
+            sampling = SamplingSettings.from_dict(chat.sampling)
+        except (TypeError, ValueError) as exc:
+            log.info("chat %s has unusable sampling settings (%s); using the defaults", chat_id, exc)
+            sampling = SamplingSettings()
+        tab = self._add_tab(chat.id, chat.title, sampling, chat.system_prompt)
+        for message in chat.messages:
+            tab.transcript.add_restored(message.role, message.content, message.complete)
+            tab.transcript.last.tokens = list(message.tokens)   # the token view works on saved replies too
+        tab.render()
+        self._on_current_chat_changed()
         return tab
 
     @Slot(int)
     def close_chat(self, index: int) -> None:
+        """Close a chat's tab; it stays saved (an empty one is not kept)."""
         tab = self.tabs.widget(index)
         if tab is None:
             return
         self.client.close_session(tab.session_id)
         self.tabs.removeTab(index)
+        self._forget_if_empty(tab)
         tab.deleteLater()
         if self.tabs.count() == 0:
             self.new_chat()
+        self._refresh_chat_list()
+
+    def _forget_if_empty(self, tab: ChatTab) -> None:
+        if not tab.transcript.messages() and tab.system_prompt is None and tab.session_id > 0:
+            self._store(self.chats.delete, tab.session_id)
+
+    @Slot(int)
+    def delete_chat(self, chat_id: int) -> None:
+        tab = self.tab_for(chat_id)
+        if tab is not None:
+            self.close_chat(self.tabs.indexOf(tab))
+        self._store(self.chats.delete, chat_id)
+        self._refresh_chat_list()
+
+    @Slot(int)
+    def rename_chat(self, chat_id: int | None, title: str | None = None) -> None:
+        if chat_id is None:
+            return
+        if title is None:
+            tab = self.tab_for(chat_id)
+            current = tab.title if tab is not None else ""
+            title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=current)
+            if not ok:
+                return
+        try:
+            self._store(self.chats.rename, chat_id, title)
+        except ValueError as exc:
+            self.show_error(f"Rename: {exc}")
+            return
+        self._set_tab_title(chat_id, " ".join(title.split()))
+        self._refresh_chat_list()
+
+    def _set_tab_title(self, chat_id: int, title: str) -> None:
+        tab = self.tab_for(chat_id)
+        if tab is not None:
+            tab.title = title
+            index = self.tabs.indexOf(tab)
+            self.tabs.setTabText(index, _tab_text(title))
+            self.tabs.setTabToolTip(index, title)
+
+    @Slot()
+    def _refresh_chat_list(self, *_args) -> None:
+        chats = self._store(self.chats.list_chats, self.chats_panel.search.text())
+        if chats is not None:
+            self.chats_panel.show_chats(chats)
+
+    def _restore_chats(self) -> None:
+        """Reopen the chats that were open when the app closed (a new one if none)."""
+        wanted = _ids(self.settings.value("chats/open", []))
+        current = _ids(self.settings.value("chats/current", []))
+        for chat_id in wanted:
+            if self._store(self.chats.exists, chat_id):
+                self.open_saved_chat(chat_id)
+        if self.tabs.count() == 0:
+            self.new_chat()
+        elif current and self.tab_for(current[0]) is not None:
+            self.tabs.setCurrentWidget(self.tab_for(current[0]))
+        self._refresh_chat_list()
+
+    # --- per-chat settings ---
+
+    @Slot()
+    def _on_sampling_changed(self) -> None:
+        tab = self.current_tab()
+        if tab is None:
+            return
+        try:
+            tab.sampling = self.sampling.settings()
+        except ValueError:
+            return   # shown when the user sends
+        if tab.session_id > 0:
+            self._store(self.chats.set_sampling, tab.session_id, tab.sampling.to_dict())
+
+    @Slot()
+    def _on_system_prompt_changed(self) -> None:
+        tab = self.current_tab()
+        if tab is None:
+            return
+        tab.system_prompt = self.sampling.chat_system_prompt()
+        if tab.session_id > 0:
+            self._store(self.chats.set_system_prompt, tab.session_id, tab.system_prompt)
+
+    def _model_key(self) -> str:
+        return self._model_choice(self.client.model) if self.client.model else ""
+
+    # --- copy, export, tokens ---
+
+    @Slot()
+    def copy_last_reply(self) -> str | None:
+        tab = self.current_tab()
+        replies = [i for i, t in enumerate(tab.transcript.turns) if t.role == ASSISTANT] if tab else []
+        return tab.copy_turn(replies[-1]) if replies else None
+
+    def export_chat(self, path: Path, fmt: str, chat_id: int | None = None) -> Path:
+        """Write the chat (the current one by default) as it is saved: "md" (Markdown) or "json"."""
+        chat_id = self._current_chat_id() if chat_id is None else chat_id
+        if fmt not in ("md", "json"):
+            raise ValueError(f"export format is md or json, not {fmt!r}")
+        chat = self.chats.load(chat_id)
+        text = chat_to_json(chat) if fmt == "json" else chat_to_markdown(chat, self._default_system_prompt)
+        Path(path).write_text(text, encoding="utf-8")
+        self.statusBar().showMessage(f"Exported {chat.title} to {path}", 10_000)
+        return Path(path)
+
+    def export_dialog(self, fmt: str) -> None:
+        tab = self.current_tab()
+        if tab is None:
+            return
+        kind = "Markdown (*.md)" if fmt == "md" else "JSON (*.json)"
+        start = Path(str(self.settings.value("chats/export_dir", str(Path.home())))) / f"{_file_name(tab.title)}.{fmt}"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(start), kind)
+        if not path:
+            return
+        self.settings.setValue("chats/export_dir", str(Path(path).parent))
+        try:
+            self.export_chat(Path(path), fmt)
+        except (OSError, ChatStoreError) as exc:
+            self.show_error(f"Export: {exc}")
+
+    def show_tokens(self, tab: ChatTab, index: int, token: int = 0) -> None:
+        turn = tab.transcript.turns[index]
+        number = sum(1 for t in tab.transcript.turns[:index + 1] if t.role == ASSISTANT)
+        self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {number}")
+        if 0 <= token < len(turn.tokens):
+            self.token_view.tokens.setCurrentRow(token)
+        self.token_dock.show()
+        self.token_dock.raise_()
+
+    @Slot()
+    def show_last_reply_tokens(self) -> None:
+        tab = self.current_tab()
+        replies = [i for i, t in enumerate(tab.transcript.turns) if t.role == ASSISTANT] if tab else []
+        if replies:
+            self.show_tokens(tab, replies[-1])
 
     @Slot()
     def _on_current_chat_changed(self) -> None:
         """The monitor's 'this chat' line follows the chat in front."""
         tab = self.current_tab()
+        if tab is not None:
+            self.sampling.set_settings(tab.sampling)   # the panel shows the chat in front
+            self.sampling.set_chat_system_prompt(tab.system_prompt)
         if tab is not None and self.client.model is not None and self.client.is_running():
             self.client.submit(RequestStats(self.client.next_request_id(), tab.session_id))
 
@@ -301,7 +526,8 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings)
+            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings,
+                                    history=tab.transcript.messages(), system_prompt=tab.system_prompt)
 
     @Slot()
     def regenerate(self) -> None:
@@ -310,7 +536,8 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.regenerate(tab.session_id, settings)
+            self.client.regenerate(tab.session_id, settings, history=tab.transcript.messages(),
+                                   system_prompt=tab.system_prompt)
 
     @Slot()
     def stop(self) -> None:
@@ -360,10 +587,17 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def _on_model_loaded(self, info: ModelInfo) -> None:
-        had_chats = any(tab.transcript.turns for tab in self.chat_tabs())
+        # Chats restored on launch were not running on any model yet: only a change in this run is news.
+        had_chats = self._had_model and any(tab.transcript.turns for tab in self.chat_tabs())
+        self._had_model = True
         self.progress.hide()
         self.error_banner.clear()
         self._select_model_item(self._model_choice(info))
+        self.settings.setValue("models/last", self._model_choice(info))
+        self._default_system_prompt = info.default_system_prompt if info.is_chat else None
+        self.sampling.set_default_system_prompt(self._default_system_prompt)
+        # A base model (no chat template) continues the text as it is: a system prompt would be ignored.
+        self.sampling.system_prompt.setEnabled(info.is_chat)
         self.model_label.setText(f"{info.display_name} · {info.n_layers} layers · {info.threads} threads")
         self.statusBar().showMessage(f"Loaded {info.display_name} in {info.load_seconds:.2f} s", 10_000)
         if had_chats:
@@ -371,7 +605,7 @@ class MainWindow(QMainWindow):
             for tab in self.chat_tabs():
                 if tab.transcript.turns:
                     tab.transcript.add_notice(f"Model changed to {info.display_name}: "
-                                              "the conversation starts afresh here.")
+                                              "the conversation continues on it.")
                     tab.render()
         tab = self.current_tab()
         if tab is not None:
@@ -400,14 +634,21 @@ class MainWindow(QMainWindow):
                 tab.input.clear()
         tab.transcript.start_reply()
         tab.render()
+        self._save_reply_start(tab, started.prompt)
         self._set_tab_busy(tab, True)
         self.statusBar().showMessage(f"Generating in {tab.title}…")
 
     @Slot(object)
     def _on_token(self, event: TokenEvent) -> None:
         tab = self.tab_for(event.session_id)
-        if tab is not None and event.text:
+        if tab is None:
+            return
+        if tab.transcript.streaming:
+            tab.transcript.last.tokens.append(event)
+        if event.text:
             tab.append(event.text)
+            if tab.reply_writer is not None:
+                self._store(tab.reply_writer.append, event.text)   # written at most every 0.5 s
 
     @Slot(object)
     def _on_reply_finished(self, finished: ReplyFinished) -> None:
@@ -415,7 +656,12 @@ class MainWindow(QMainWindow):
         if tab is None:
             return
         tab.transcript.finish_reply(finished.text, finished.stats)
+        writer, tab.reply_writer = tab.reply_writer, None
+        if writer is not None:
+            self._store(writer.finish, finished.text, tab.transcript.last.tokens)
         tab.render()
+        if tab is self.current_tab():
+            self.show_last_reply_tokens_quietly(tab)
         self._set_tab_busy(tab, False)
         stats_line = format_reply_stats(finished.stats).replace("\n", " · ")
         self.statusBar().showMessage(f"{tab.title}: {stats_line}", 15_000)
@@ -424,7 +670,33 @@ class MainWindow(QMainWindow):
     def _set_tab_busy(self, tab: ChatTab, busy: bool) -> None:
         index = self.tabs.indexOf(tab)
         if index >= 0:
-            self.tabs.setTabText(index, f"{tab.title} …" if busy else tab.title)
+            self.tabs.setTabText(index, f"{_tab_text(tab.title)} …" if busy else _tab_text(tab.title))
+
+    def _save_reply_start(self, tab: ChatTab, prompt: str | None) -> None:
+        """The prompt (or, regenerating, the dropped reply) and an empty reply row the tokens stream into."""
+        if tab.session_id <= 0:
+            return
+        chat_id = tab.session_id
+        if prompt is None:
+            self._store(self.chats.drop_last_reply, chat_id)
+        else:
+            self._store(self.chats.add_message, chat_id, "user", prompt)
+            if tab.title == NEW_CHAT_TITLE and prompt.strip():
+                title = " ".join(prompt.split())
+                title = title if len(title) <= TITLE_LENGTH else title[:TITLE_LENGTH - 1] + "…"
+                self._store(self.chats.rename, chat_id, title)
+                self._set_tab_title(chat_id, title)
+        if self.client.model is not None:
+            self._store(self.chats.set_model, chat_id, self._model_key())
+        tab.reply_writer = self._store(self.chats.begin_reply, chat_id)
+        self._refresh_chat_list()
+
+    def show_last_reply_tokens_quietly(self, tab: ChatTab) -> None:
+        """Keep the token view on the newest reply of the chat in front, without raising its panel."""
+        replies = [i for i, t in enumerate(tab.transcript.turns) if t.role == ASSISTANT]
+        if replies:
+            turn = tab.transcript.turns[replies[-1]]
+            self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {len(replies)}")
 
     # --- HTTP API ---
 
@@ -495,6 +767,9 @@ class MainWindow(QMainWindow):
         self.send_action.setEnabled(client.ready)
         self.stop_action.setEnabled(client.generating_session is not None)
         self.regenerate_action.setEnabled(client.ready and tab is not None and tab.transcript.can_regenerate)
+        has_reply = tab is not None and any(t.role == ASSISTANT for t in tab.transcript.turns)
+        self.copy_reply_action.setEnabled(has_reply)
+        self.show_tokens_action.setEnabled(has_reply)
         self.model_picker.setEnabled(not client.loading)
         self.open_gguf_action.setEnabled(not client.loading)
 
@@ -547,7 +822,17 @@ class MainWindow(QMainWindow):
         self.patch_editor.save(s)
         s.setValue("server/enabled", self.serve_action.isChecked())
         s.setValue("server/port", self.server_port.value())
+        kept = [tab for tab in self.chat_tabs() if tab.session_id > 0 and
+                (tab.transcript.messages() or tab.system_prompt is not None)]
+        s.setValue("chats/open", [tab.session_id for tab in kept])
+        current = self.current_tab()
+        s.setValue("chats/current", current.session_id if current in kept else 0)
         s.sync()
+
+    def last_model(self, default: str) -> str:
+        """The model the app ran last (the packaged key or a GGUF path), else `default`."""
+        last = self.settings.value("models/last")
+        return str(last) if last else default
 
     def closeEvent(self, event: QCloseEvent) -> None:
         if not self._closed:
@@ -558,4 +843,30 @@ class MainWindow(QMainWindow):
             # Stops a reply at its next token, ends the engine thread and waits for it: a QThread still
             # running when Python tears down aborts the process.
             self.client.shutdown()
+            for tab in self.chat_tabs():
+                writer, tab.reply_writer = tab.reply_writer, None
+                if writer is not None:   # a reply stopped by closing: kept as far as it got
+                    self._store(writer.finish, None, tab.transcript.last.tokens)
+                self._forget_if_empty(tab)
+            self.chats.close()
         event.accept()
+
+
+def _tab_text(title: str) -> str:
+    return title if len(title) <= TAB_TITLE_LENGTH else title[:TAB_TITLE_LENGTH - 1] + "…"
+
+
+def _ids(value) -> list[int]:
+    """Chat ids from QSettings (an INI file gives a list, one string, or nothing)."""
+    values = value if isinstance(value, (list, tuple)) else [value] if value not in (None, "") else []
+    out = []
+    for v in values:
+        try:
+            out.append(int(v))
+        except (TypeError, ValueError):
+            pass
+    return [v for v in out if v > 0]
+
+
+def _file_name(title: str) -> str:
+    return "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip() or "chat"

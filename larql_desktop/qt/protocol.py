@@ -12,7 +12,8 @@ from pathlib import Path
 
 from larql_desktop.engine.cache.walk import StatsSnapshot
 from larql_desktop.engine.core import CacheSettings
-from larql_desktop.engine.model.generation import SamplingSettings, TokenStep
+from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
+from larql_desktop.engine.model.outcomes import LayerOutcome
 from larql_desktop.engine.services import PatchSummary
 from larql_desktop.qt.reply_stats import ReplyStats
 
@@ -36,6 +37,11 @@ class SendPrompt:
     # behind the generation loop it is meant to interrupt. One per request, so a Stop can never leak
     # into the next reply.
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    # The chat as the window holds it, (role, content) before this prompt, and its system prompt (None: the
+    # template's default): the worker's session follows them, so a saved chat continues where it stopped.
+    # history None: the session's own messages are used as they are.
+    history: tuple[tuple[str, str], ...] | None = None
+    system_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class Regenerate:
     session_id: int
     settings: SamplingSettings
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+    history: tuple[tuple[str, str], ...] | None = None   # including the reply to regenerate
+    system_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ class ModelInfo:
     load_seconds: float
     threads: int
     intermediate: int = 0     # FFN features per layer (the largest K)
+    default_system_prompt: str | None = None   # what the chat template writes when a chat sets none
 
 
 @dataclass(frozen=True)
@@ -163,11 +172,13 @@ class TokenEvent:
     seconds: float
     prompt_tokens: int
     is_stop: bool
+    alternatives: tuple[Alternative, ...] = ()   # the model's top tokens at this step
+    layers: tuple[LayerOutcome, ...] = ()        # the FFN per layer in the pass this token was sampled from
 
     @classmethod
     def from_step(cls, request_id: int, session_id: int, step: TokenStep) -> "TokenEvent":
         return cls(request_id, session_id, step.token_id, step.text, step.index, step.seconds,
-                   step.prompt_tokens, step.is_stop)
+                   step.prompt_tokens, step.is_stop, step.alternatives, step.layers)
 
 
 @dataclass(frozen=True)

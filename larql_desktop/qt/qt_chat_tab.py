@@ -1,11 +1,16 @@
-"""One chat: its transcript view and its draft. Behaviour lives in MainWindow; this is layout and rendering."""
+"""One chat: its transcript view and its draft. Behaviour lives in MainWindow; this is layout and rendering.
+
+Replies are rendered as Markdown once they have ended (code blocks monospaced); while one streams its text is
+appended as it comes. The view's context menu copies a reply (as shown or as its Markdown source) and opens
+its tokens in the token view."""
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QFont, QTextBlockFormat, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import (QHBoxLayout, QPlainTextEdit, QSplitter, QTextBrowser, QToolButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QFont, QFontDatabase, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
+from PySide6.QtWidgets import (QApplication, QHBoxLayout, QMenu, QPlainTextEdit, QSplitter, QTextBrowser,
+                               QToolButton, QVBoxLayout, QWidget)
 
+from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
@@ -14,20 +19,38 @@ _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
 APPEND_INTERVAL_MS = 50
 
 
+def markdown_as_plain_text(markdown: str) -> str:
+    """What a Markdown text reads as once rendered (list markers and emphasis marks gone)."""
+    doc = QTextDocument()
+    doc.setMarkdown(markdown)
+    return doc.toPlainText()
+
+
 class ChatTab(QWidget):
-    def __init__(self, session_id: int, title: str, actions: list[QAction], parent: QWidget | None = None):
+    tokens_requested = Signal(int)   # index of a turn whose tokens the user wants to see
+    token_clicked = Signal(int, int)  # (turn index, token index): the user clicked that token of a reply
+
+    def __init__(self, session_id: int, title: str, actions: list[QAction], parent: QWidget | None = None,
+                 sampling: SamplingSettings | None = None, system_prompt: str | None = None):
         super().__init__(parent)
-        self.session_id = session_id
+        self.session_id = session_id   # also the saved chat's id
         self.title = title
+        self.sampling = sampling or SamplingSettings()
+        self.system_prompt = system_prompt   # None: the model's template default
+        self.reply_writer = None             # the chats store's StreamingReply while a reply streams
         self.transcript = Transcript()
         self._unshown = ""      # streamed text the view has yet to show
         self._append_timer = QTimer(self)
         self._append_timer.setSingleShot(True)
         self._append_timer.setInterval(APPEND_INTERVAL_MS)
         self._append_timer.timeout.connect(self.flush_stream)
+        self.turn_spans: list[tuple[int, int, int]] = []   # (start, end, turn index) in the view's document
         self.view = QTextBrowser()
         self.view.setOpenExternalLinks(False)
         self.view.setAccessibleName(f"{title} transcript")
+        self.view.setContextMenuPolicy(Qt.CustomContextMenu)
+        self.view.customContextMenuRequested.connect(self._show_context_menu)
+        self.view.viewport().installEventFilter(self)   # a click on a reply picks its token for the token view
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Type a message; Ctrl+Return sends it")
         self.input.setAccessibleName(f"{title} message")
@@ -75,12 +98,14 @@ class ChatTab(QWidget):
         formats = self._formats()
         doc = self.view.document()
         doc.clear()
+        doc.setDefaultStyleSheet("")
         cursor = QTextCursor(doc)
         first = True
         spaced, tight = QTextBlockFormat(), QTextBlockFormat()
         spaced.setTopMargin(10)   # a gap above each turn
+        self.turn_spans = []
 
-        def block(text: str, fmt: QTextCharFormat, new_turn: bool = False) -> None:
+        def block(text: str, fmt: QTextCharFormat, new_turn: bool = False, markdown: bool = False) -> None:
             nonlocal first
             if first:
                 cursor.setBlockFormat(tight)
@@ -88,16 +113,23 @@ class ChatTab(QWidget):
                 cursor.insertBlock(spaced if new_turn else tight)
             first = False
             cursor.setCharFormat(fmt)
-            cursor.insertText(text, fmt)
+            if markdown:
+                cursor.insertMarkdown(text)
+            else:
+                cursor.insertText(text, fmt)
 
-        for turn in self.transcript.turns:
+        for index, turn in enumerate(self.transcript.turns):
+            start = cursor.position()
             if turn.role == NOTICE:
                 block(turn.text, formats["notice"], new_turn=True)
-                continue
-            block(_HEADERS[turn.role], formats["header"], new_turn=True)
-            block(turn.text, formats["body"])
-            if turn.footer:
-                block(turn.footer, formats["footer"])
+            else:
+                block(_HEADERS[turn.role], formats["header"], new_turn=True)
+                # A streaming reply stays plain text: `append` adds to it, and half a code fence renders oddly.
+                block(turn.text, formats["body"], markdown=turn.role == ASSISTANT and turn.done and bool(turn.text.strip()))
+                if turn.footer:
+                    block(turn.footer, formats["footer"])
+            self.turn_spans.append((start, cursor.position(), index))
+        _monospace_code(doc)
         self._scroll_to_end()
 
     def append(self, text: str) -> None:
@@ -116,6 +148,9 @@ class ChatTab(QWidget):
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.End)
         cursor.insertText(text, self._formats()["body"])
+        if self.turn_spans:
+            start, _, index = self.turn_spans[-1]
+            self.turn_spans[-1] = (start, cursor.position(), index)
         if at_end:
             self._scroll_to_end()
 
@@ -126,3 +161,109 @@ class ChatTab(QWidget):
     def _scroll_to_end(self) -> None:
         bar = self.view.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+    # --- what is where, copying ---
+
+    def turn_at(self, position: int) -> int | None:
+        """The index of the turn shown at a document position."""
+        return next((index for start, end, index in self.turn_spans if start <= position <= end), None)
+
+    def reply_index_at(self, point: QPoint) -> int | None:
+        index = self.turn_at(self.view.cursorForPosition(point).position())
+        if index is None or self.transcript.turns[index].role != ASSISTANT:
+            return None
+        return index
+
+    def copy_turn(self, index: int, markdown: bool = False) -> str:
+        """Put a turn's text on the clipboard: as shown (rendered) or as its Markdown source."""
+        text = self.transcript.turns[index].text
+        text = text if markdown or self.transcript.turns[index].role != ASSISTANT else markdown_as_plain_text(text)
+        QApplication.clipboard().setText(text)
+        return text
+
+    def eventFilter(self, watched, event) -> bool:
+        if (watched is self.view.viewport() and event.type() == QEvent.MouseButtonRelease
+                and event.button() == Qt.LeftButton and not self.view.textCursor().hasSelection()):
+            hit = self.token_at(self.view.cursorForPosition(event.position().toPoint()).position())
+            if hit is not None:
+                self.token_clicked.emit(*hit)
+        return super().eventFilter(watched, event)
+
+    def token_at(self, position: int) -> tuple[int, int] | None:
+        """(turn index, token index) of the reply token shown at a document position, if it has token details.
+
+        A rendered reply's text is not its Markdown source: each shown block is found in the source in order
+        (code and plain paragraphs appear verbatim; for a block that changed, the few characters before the
+        position are looked up instead), and the source offset picks the token whose text covers it."""
+        index = self.turn_at(position)
+        if index is None:
+            return None
+        turn = self.transcript.turns[index]
+        if turn.role != ASSISTANT or not turn.tokens:
+            return None
+        start, end, _ = self.turn_spans[[i for _, _, i in self.turn_spans].index(index)]
+        doc = self.view.document()
+        block = doc.findBlock(start).next()   # after the header
+        source, searched, offset = turn.text, 0, None
+        while block.isValid() and block.position() <= min(end, position):
+            text = block.text()
+            found = source.find(text, searched) if text else -1
+            if block.contains(position):
+                at = position - block.position()
+                if found >= 0:
+                    offset = found + at
+                else:
+                    needle = text[max(0, at - 12):at]
+                    near = source.find(needle, searched) if needle else -1
+                    offset = near + len(needle) if near >= 0 else None
+                break
+            if found >= 0:
+                searched = found + len(text)
+            block = block.next()
+        if offset is None:
+            return None
+        covered = 0
+        for number, event in enumerate(turn.tokens):
+            covered += len(event.text)
+            if covered > offset:
+                return index, number
+        return None
+
+    def _show_context_menu(self, point: QPoint) -> None:
+        menu = QMenu(self.view)
+        if self.view.textCursor().hasSelection():
+            menu.addAction("Copy selection", self.view.copy)
+        index = self.reply_index_at(point)
+        if index is not None:
+            menu.addAction("Copy reply", lambda: self.copy_turn(index))
+            menu.addAction("Copy reply as Markdown", lambda: self.copy_turn(index, markdown=True))
+            menu.addAction("Show tokens…", lambda: self.tokens_requested.emit(index))
+        menu.addSeparator()
+        menu.addAction("Select all", self.view.selectAll)
+        menu.exec(self.view.viewport().mapToGlobal(point))
+
+
+def _monospace_code(doc: QTextDocument) -> None:
+    """Make sure code (fenced blocks and inline spans, which the Markdown reader marks fixed-pitch) shows in the
+    system's monospaced font: the fixed-pitch hint alone picks none on some platforms."""
+    fixed = QFontDatabase.systemFont(QFontDatabase.FixedFont)
+    block = doc.begin()
+    while block.isValid():
+        is_code = block.blockFormat().hasProperty(QTextBlockFormat.BlockCodeFence) or \
+            block.blockFormat().nonBreakableLines()
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            families = fragment.charFormat().fontFamilies() or [] if fragment.isValid() else []
+            # The first line of a fenced block merges into the block the reply starts in and keeps only the
+            # reader's "monospace" family; every other code line is marked as such.
+            if fragment.isValid() and (is_code or fragment.charFormat().fontFixedPitch() or "monospace" in families):
+                cursor = QTextCursor(doc)
+                cursor.setPosition(fragment.position())
+                cursor.setPosition(fragment.position() + fragment.length(), QTextCursor.KeepAnchor)
+                fmt = QTextCharFormat()
+                fmt.setFontFamilies([fixed.family()])
+                fmt.setFontFixedPitch(True)
+                cursor.mergeCharFormat(fmt)
+            it += 1
+        block = block.next()

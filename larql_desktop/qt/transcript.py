@@ -1,7 +1,7 @@
 """What a chat tab shows, as plain data: turns with their text and, under replies, a stats line."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from larql_desktop.qt.reply_stats import ReplyStats, format_reply_stats
 
@@ -9,16 +9,23 @@ USER = "user"
 ASSISTANT = "assistant"
 NOTICE = "notice"   # a line from the app itself, e.g. "the model changed"
 
+INTERRUPTED_NOTE = "interrupted: the app closed before this reply ended"
+
 
 @dataclass
 class Turn:
     role: str
     text: str = ""
     stats: ReplyStats | None = None
+    done: bool = False          # a reply that has ended (streamed to its end here, or restored from disk)
+    interrupted: bool = False   # restored from a reply the app never finished writing
+    tokens: list = field(default_factory=list)   # TokenEvents of a reply generated in this run (token view)
 
     @property
     def footer(self) -> str | None:
-        return format_reply_stats(self.stats) if self.stats else None
+        if self.stats:
+            return format_reply_stats(self.stats)
+        return INTERRUPTED_NOTE if self.interrupted else None
 
 
 class Transcript:
@@ -32,18 +39,22 @@ class Transcript:
     @property
     def streaming(self) -> bool:
         last = self.last
-        return last is not None and last.role == ASSISTANT and last.stats is None
+        return last is not None and last.role == ASSISTANT and not last.done
 
     @property
     def can_regenerate(self) -> bool:
         last = self.last
-        return last is not None and last.role == ASSISTANT and last.stats is not None
+        return last is not None and last.role == ASSISTANT and last.done
 
     def add_user(self, text: str) -> None:
         self.turns.append(Turn(USER, text))
 
     def add_notice(self, text: str) -> None:
         self.turns.append(Turn(NOTICE, text))
+
+    def add_restored(self, role: str, text: str, complete: bool = True) -> None:
+        """A turn read back from the saved chat."""
+        self.turns.append(Turn(role, text, done=True, interrupted=role == ASSISTANT and not complete))
 
     def start_reply(self) -> None:
         self.turns.append(Turn(ASSISTANT))
@@ -57,8 +68,16 @@ class Transcript:
         missing = full_text[len(turn.text):] if full_text.startswith(turn.text) else ""
         turn.text += missing
         turn.stats = stats
+        turn.done = True
         return missing
 
     def drop_last_reply(self) -> None:
         if self.last is not None and self.last.role == ASSISTANT:
             self.turns.pop()
+
+    def messages(self) -> tuple[tuple[str, str], ...]:
+        """The conversation the model sees: (role, text) of user turns and replies (notices are the app's)."""
+        return tuple((t.role, t.text) for t in self.turns if t.role in (USER, ASSISTANT))
+
+    def replies(self) -> list[Turn]:
+        return [t for t in self.turns if t.role == ASSISTANT]

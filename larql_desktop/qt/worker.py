@@ -61,7 +61,7 @@ def model_info(request_id: int, model: LoadedModel) -> ModelInfo:
     return ModelInfo(request_id, model.name, spec is not None, spec.display_name if spec else model.path.name, model.path,
                      model.is_chat, model.config.arch, model.config.n_layers, model.config.hidden,
                      model.config.vocab_size, model.context_limit, model.load_seconds, model.threads,
-                     model.config.intermediate)
+                     model.config.intermediate, model.default_system_prompt)
 
 
 class EngineWorker(QObject):
@@ -224,13 +224,20 @@ class EngineWorker(QObject):
             self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
                                                     self.sessions.get(session_id)))
 
-    def _send_prompt(self, request: SendPrompt) -> None:
+    def _followed_session(self, request: SendPrompt | Regenerate) -> ChatSession:
+        """The request's session, holding the chat the window sent (a saved chat, or one after a model change)."""
         session = self._session(request.session_id)
+        if request.history is not None:
+            session.restore(request.history, request.system_prompt)
+        return session
+
+    def _send_prompt(self, request: SendPrompt) -> None:
+        session = self._followed_session(request)
         steps = session.reply(request.text, request.settings)   # refuses bad prompts before changing anything
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, request.text)
 
     def _regenerate(self, request: Regenerate) -> None:
-        session = self._session(request.session_id)
+        session = self._followed_session(request)
         steps = session.regenerate(request.settings)
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, None)
 
@@ -411,6 +418,7 @@ class EngineClient(QObject):
                  applied: AppliedPatchStore | None = None):
         super().__init__(parent)
         self.threads = threads
+        self.paths = paths   # where the window keeps its saved chats
         self.model: ModelInfo | None = None
         self._ids = itertools.count(1)
         self._pending_load: int | None = None
@@ -469,11 +477,13 @@ class EngineClient(QObject):
         self.busy_changed.emit()
         return request.request_id
 
-    def send_prompt(self, session_id: int, text: str, settings) -> int:
-        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings))
+    def send_prompt(self, session_id: int, text: str, settings, history=None, system_prompt=None) -> int:
+        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings,
+                                      history=history, system_prompt=system_prompt))
 
-    def regenerate(self, session_id: int, settings) -> int:
-        return self._start(Regenerate(self.next_request_id(), session_id, settings))
+    def regenerate(self, session_id: int, settings, history=None, system_prompt=None) -> int:
+        return self._start(Regenerate(self.next_request_id(), session_id, settings,
+                                      history=history, system_prompt=system_prompt))
 
     def _start(self, request: SendPrompt | Regenerate) -> int:
         if self._generation is not None:

@@ -2,14 +2,37 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from larql_desktop.engine.cache.walk import CacheStats, CacheTier
+from larql_desktop.engine.completions import StopStrings
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
+from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.transformer import FfnCall, KvCache
 from larql_desktop.engine.loading import LoadedModel
+
+ROLES = ("user", "assistant")
+
+
+class StopStringDecoder:
+    """A token stream decoder whose text is cut at the first of some stop strings (`StopStrings`, as the OpenAI
+    API cuts its replies); `stopped` tells `decode` to end the reply there."""
+
+    def __init__(self, decoder, stops: tuple[str, ...]):
+        self.decoder = decoder
+        self.stops = StopStrings(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.stopped
+
+    def feed(self, token_id: int) -> str:
+        return self.stops.feed(self.decoder.feed(token_id))
+
+    def flush(self) -> str:
+        return self.stops.feed(self.decoder.flush()) + self.stops.flush()
 
 
 class ChatSession:
@@ -20,11 +43,15 @@ class ChatSession:
         self.l1 = l1          # this session's own cache tier (None without a cache engine)
         self.stats = stats    # this session's statistics
         self.messages: list[dict] = []
+        # None: the chat template's own default (SmolLM2's names the assistant); "" an explicitly empty one.
+        self.system_prompt: str | None = None
         self.kv = KvCache(model.config)
         self.history: list[int] = []   # token ids the KV cache holds
-        # Next-token logits at the end of the last prompt, so a regeneration starts from exactly the same
-        # state (re-running the last prompt token alone would differ from the batched prefill by rounding).
-        self._prompt_logits: tuple[tuple[int, ...], np.ndarray] | None = None
+        # Next-token logits at the end of the last prompt (and the FFN outcomes of that pass), so a regeneration
+        # starts from exactly the same state (re-running the last prompt token alone would differ from the
+        # batched prefill by rounding).
+        self._prompt_logits: tuple[tuple[int, ...], np.ndarray, tuple[LayerOutcome, ...]] | None = None
+        self.outcomes = OutcomeRecorder()   # per-layer outcomes of each forward pass, for the token view
 
     def reset(self) -> None:
         """Start a new conversation in this session; its L1 cache and statistics are kept."""
@@ -33,18 +60,40 @@ class ChatSession:
         self.history.clear()
         self._prompt_logits = None
 
+    def restore(self, messages: Sequence[tuple[str, str]], system_prompt: str | None = None) -> None:
+        """Continue a saved conversation: the messages (role, content) and system prompt become this session's.
+        The KV cache keeps whatever prefix still matches, so continuing the live chat costs nothing."""
+        restored = []
+        for role, content in messages:
+            if role not in ROLES or not isinstance(content, str):
+                raise ValueError(f"a saved chat message has role {role!r}; expected one of {', '.join(ROLES)}")
+            restored.append({"role": role, "content": content})
+        self.messages[:] = restored
+        self.system_prompt = system_prompt
+
+    def conversation(self, messages: list[dict] | None = None) -> list[dict]:
+        """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
+        messages = self.messages if messages is None else messages
+        if self.system_prompt is not None and self.model.is_chat:
+            return [{"role": "system", "content": self.system_prompt}] + messages
+        return list(messages)
+
     def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
         tok = self.model.tokenizer
         decoder = tok.stream_decoder()
+        if settings.stop:
+            decoder = StopStringDecoder(decoder, settings.stop)
         reply: list[str] = []
         self.messages.append({"role": "assistant", "content": ""})
+        recorder = self.outcomes
+        recorder.attach(self.ffn)   # again each reply: reconfiguring the engine rebuilds the session's walk
         try:
             started = time.perf_counter()
             saved = self._prompt_logits
             if saved is not None and saved[0] == tuple(ids) and self.history[:len(ids)] == ids:
                 self.kv.truncate(len(ids))
                 del self.history[len(ids):]
-                logits, ran = saved[1], 0
+                logits, ran, layers = saved[1], 0, saved[2]
             else:
                 # Reuse the KV cache for the longest common prefix; at least one token must run.
                 common = 0
@@ -55,23 +104,29 @@ class ChatSession:
                 common = min(common, len(ids) - 1)
                 self.kv.truncate(common)
                 del self.history[common:]
+                recorder.start()
                 logits = self.model.transformer.forward(ids[common:], self.kv, self.ffn)[-1]
+                layers = recorder.take()
                 self.history.extend(ids[common:])
                 ran = len(ids) - common
-                self._prompt_logits = (tuple(ids), logits)
+                self._prompt_logits = (tuple(ids), logits, layers)
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
-                               self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history):
+                               self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
+                               token_text=self._token_text, recorder=recorder, first_layers=layers):
                 reply.append(step.text)
                 self.messages[-1]["content"] = "".join(reply)
                 yield step
         finally:
             self.messages[-1]["content"] = "".join(reply) + decoder.flush()
 
+    def _token_text(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([token_id], special=True)
+
     def reply(self, user_text: str, settings: SamplingSettings) -> Iterator[TokenStep]:
         """Add a user turn and stream the assistant's reply. Nothing is added if the prompt is refused."""
         if not user_text.strip():
             raise ValueError("the prompt is empty: type something to send")
-        ids = self.model.encode_prompt(self.messages + [{"role": "user", "content": user_text}])
+        ids = self.model.encode_prompt(self.conversation(self.messages + [{"role": "user", "content": user_text}]))
         self._check_fits(ids)
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
@@ -88,8 +143,10 @@ class ChatSession:
         """Drop the last reply and generate it again from the same context."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ValueError("there is no reply to regenerate")
+        ids = self.model.encode_prompt(self.conversation(self.messages[:-1]))
+        self._check_fits(ids)
         self.messages.pop()
-        return self._generate_for(self.model.encode_prompt(self.messages), settings)
+        return self._generate_for(ids, settings)
 
     def _check_fits(self, ids: list[int]) -> None:
         if len(ids) >= self.model.context_limit:

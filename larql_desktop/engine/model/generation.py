@@ -1,13 +1,19 @@
-"""Token generation as a generator: each step yields the token, its text and its timing."""
+"""Token generation as a generator: each step yields the token, its text, its timing, the model's top
+alternatives at that step and what the FFN cache did in the forward pass the token was sampled from."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 200
+ALTERNATIVES = 5            # top tokens reported per step
 
 
 # The smallest temperature above 0 (greedy): float64's smallest normal number. The sampler shifts logits
@@ -31,6 +37,9 @@ class SamplingSettings:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # A chat's stop strings: the reply ends before the first of them (ChatSession applies them; the OpenAI API
+    # passes a request's own `stop` to its CompletionRun instead).
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.max_tokens <= 1_000_000:
@@ -57,10 +66,58 @@ class SamplingSettings:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, not {self.seed!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop strings must be a list of strings")
+        object.__setattr__(self, "stop", tuple(self.stop))   # a list from JSON becomes hashable
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, not {len(self.stop)}")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise ValueError(f"a stop string must have 1 to {MAX_STOP_LENGTH} characters")
 
     @property
     def penalised(self) -> bool:
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> "SamplingSettings":
+        """Raises ValueError for unknown names or invalid values (nothing is guessed)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
+        return cls(**{k: tuple(v) if k == "stop" else v for k, v in values.items()})
+
+
+# Presets change how tokens are chosen; max tokens, stop strings and the seed stay the user's.
+PRESETS: dict[str, dict] = {
+    "Greedy": dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repeat_penalty=1.0),
+    "Balanced": dict(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repeat_penalty=1.1),
+    "Creative": dict(temperature=1.0, top_p=0.95, top_k=100, min_p=0.02, repeat_penalty=1.05),
+}
+
+
+def apply_preset(settings: SamplingSettings, name: str) -> SamplingSettings:
+    if name not in PRESETS:
+        raise ValueError(f"no sampling preset named {name!r}; choose one of {', '.join(PRESETS)}")
+    return replace(settings, **PRESETS[name])
+
+
+def preset_of(settings: SamplingSettings) -> str | None:
+    """The preset these settings match, if any."""
+    return next((name for name, values in PRESETS.items()
+                 if all(getattr(settings, k) == v for k, v in values.items())), None)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    token_id: int
+    text: str
+    probability: float   # softmax of the model's raw logits at this step (before sampling settings)
 
 
 @dataclass(frozen=True)
@@ -70,7 +127,24 @@ class TokenStep:
     index: int           # 0 for the first generated token
     seconds: float       # wall time of the forward pass that produced this token (prefill for index 0)
     prompt_tokens: int   # tokens run in that forward pass
-    is_stop: bool        # a stop token: not part of the reply
+    is_stop: bool        # a stop token (or the token completing a stop string): the reply ends here
+    # The model's most likely tokens at this step, most likely first, and what the FFN did per layer in the
+    # forward pass whose logits this token was sampled from (empty when not recorded).
+    alternatives: tuple[Alternative, ...] = ()
+    layers: tuple[LayerOutcome, ...] = ()
+
+
+def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: int = ALTERNATIVES
+                     ) -> tuple[Alternative, ...]:
+    """The n most likely tokens with their softmax probabilities. Runs every step, so it avoids a full float64
+    softmax: the top n come from the logits, the normaliser from one float32 exp pass summed in float64."""
+    z = np.asarray(logits, dtype=np.float32)
+    top = np.argpartition(-z, n - 1)[:n] if z.size > n else np.arange(z.size)
+    top = top[np.argsort(-z[top], kind="stable")]
+    peak = float(z[top[0]])
+    total = float(np.exp(z - peak).sum(dtype=np.float64))
+    return tuple(Alternative(int(i), token_text(int(i)), float(np.exp(np.float64(z[i]) - peak) / total))
+                 for i in top)
 
 
 class Sampler:
@@ -124,25 +198,35 @@ class Sampler:
 
 def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first_seconds: float,
            first_tokens: int, ffn: FfnCall, settings: SamplingSettings, stop_ids: frozenset[int], decoder,
-           context_limit: int, history: list[int]) -> Iterator[TokenStep]:
+           context_limit: int, history: list[int], *, token_text: Callable[[int], str] | None = None,
+           recorder: OutcomeRecorder | None = None, first_layers: tuple[LayerOutcome, ...] = ()
+           ) -> Iterator[TokenStep]:
     """Sample from `first_logits` (the prompt's last position), then decode up to max_tokens.
 
     `history` (the token ids the KV cache holds) is extended as tokens are consumed. Stops on a stop id
-    (yielded with is_stop=True), at max_tokens, or when the context is full.
+    (yielded with is_stop=True), when `decoder` says it has `stopped` (a stop string: that step, carrying the
+    text before it, has is_stop=True), at max_tokens, or when the context is full. With `token_text`, each step
+    carries the top alternatives; with `recorder` (attached to `ffn`), the per-layer FFN outcomes of the
+    forward pass (`first_layers` for the prompt's pass).
     """
     sampler = Sampler(settings)
-    logits, seconds, ran = first_logits, first_seconds, first_tokens
+    logits, seconds, ran, layers = first_logits, first_seconds, first_tokens, first_layers
     reply: list[int] = []
     for index in range(settings.max_tokens):
         token = sampler(logits, history, reply) if settings.penalised else sampler(logits)
         reply.append(token)
         stop = token in stop_ids
         text = "" if stop else decoder.feed(token)
-        yield TokenStep(token, text, index, seconds, ran, stop)
+        stop = stop or getattr(decoder, "stopped", False)
+        alternatives = top_alternatives(logits, token_text) if token_text is not None else ()
+        yield TokenStep(token, text, index, seconds, ran, stop, alternatives, layers)
         if stop or index + 1 == settings.max_tokens or kv.length + 1 >= context_limit:
             return
         started = time.perf_counter()
+        if recorder is not None:
+            recorder.start()
         logits = model.forward([token], kv, ffn)[-1]
+        layers = recorder.take() if recorder is not None else ()
         history.append(token)
         seconds, ran = time.perf_counter() - started, 1
 

@@ -1,0 +1,61 @@
+"""Per-layer FFN outcomes of one forward pass, for the token view.
+
+An `OutcomeRecorder` sits beside a WalkFfn's CacheStats in its `stats` tuple (it has the same `record`
+signature), so the walk reports to it exactly what it counts, without any change to the walk itself. A
+session starts it before a forward pass and takes the outcomes after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerOutcome:
+    layer: int
+    outcome: str             # "hit", "miss", "bypass" or "dense"
+    tier: str | None = None  # the tier that hit ("L1", "L2", "L3")
+    bypass: str | None = None   # why the cache was bypassed ("prefill", "patched", "cache_off", "full_k")
+
+    def describe(self) -> str:
+        if self.outcome == "hit":
+            return f"{self.tier} hit"
+        if self.outcome == "bypass":
+            return f"bypass ({(self.bypass or '').replace('_', ' ')})"
+        if self.outcome == "dense":
+            return "dense" + (f" ({self.bypass.replace('_', ' ')})" if self.bypass else "")
+        return self.outcome
+
+
+class OutcomeRecorder:
+    """Collects the last outcome per layer between `start()` and `take()` (one call per layer per pass)."""
+
+    def __init__(self) -> None:
+        self._layers: dict[int, LayerOutcome] = {}
+        self._active = False
+
+    def start(self) -> None:
+        self._layers = {}
+        self._active = True
+
+    def take(self) -> tuple[LayerOutcome, ...]:
+        self._active = False
+        layers, self._layers = self._layers, {}
+        return tuple(layers[k] for k in sorted(layers))
+
+    # --- the CacheStats interface WalkFfn calls ---
+
+    def record(self, layer: int, outcome: str, seconds: float | None, *, tier_results=(),
+               bypass: str | None = None) -> None:
+        if not self._active:
+            return
+        tier = tier_results[-1][0] if outcome == "hit" and tier_results else None
+        self._layers[int(layer)] = LayerOutcome(int(layer), outcome, tier, bypass)
+
+    def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None:
+        pass   # fidelity checks are not per-token outcomes
+
+    def attach(self, ffn) -> None:
+        """Add this recorder to a WalkFfn's stats (again after the engine rebuilt the session's walk)."""
+        stats = getattr(ffn, "stats", None)
+        if isinstance(stats, tuple) and self not in stats:
+            ffn.stats = stats + (self,)

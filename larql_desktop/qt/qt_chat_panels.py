@@ -1,0 +1,158 @@
+"""Two panels of the chat window: the saved chats (search, open, rename, delete) and the token view (one
+reply's tokens; for the selected token its top alternatives and what the FFN cache did per layer)."""
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QSplitter, QTableWidget, QTableWidgetItem, QToolButton,
+                               QVBoxLayout, QWidget)
+
+from larql_desktop.engine.chats import ChatSummary
+
+
+class ChatsPanel(QWidget):
+    """The saved chats, most recent first. The window does the work; this lists and asks."""
+
+    open_requested = Signal(int)
+    rename_requested = Signal(int)
+    delete_requested = Signal(int)
+    search_changed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search titles and messages")
+        self.search.setAccessibleName("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(self.search_changed)
+        self.list = QListWidget()
+        self.list.setAccessibleName("Saved chats")
+        self.list.itemActivated.connect(lambda item: self.open_requested.emit(item.data(Qt.UserRole)))
+        buttons = QHBoxLayout()
+        for text, signal in (("Open", self.open_requested), ("Rename", self.rename_requested),
+                             ("Delete", self.delete_requested)):
+            button = QToolButton()   # compact: the panel shares the right-hand dock with the others
+            button.setText(text)
+            button.setAccessibleName(f"{text.rstrip('…')} chat")
+            button.clicked.connect(lambda _=False, s=signal: self._emit_selected(s))
+            buttons.addWidget(button)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.search)
+        layout.addWidget(self.list, 1)
+        layout.addLayout(buttons)
+
+    def _emit_selected(self, signal) -> None:
+        chat_id = self.selected_chat()
+        if chat_id is not None:
+            signal.emit(chat_id)
+
+    def selected_chat(self) -> int | None:
+        item = self.list.currentItem()
+        return item.data(Qt.UserRole) if item is not None else None
+
+    def show_chats(self, chats: list[ChatSummary]) -> None:
+        selected = self.selected_chat()
+        self.list.clear()
+        for chat in chats:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(chat.updated))
+            item = QListWidgetItem(f"{chat.title}\n{when} · {chat.messages} messages"
+                                   + (f" · {chat.model}" if chat.model else ""))
+            item.setData(Qt.UserRole, chat.id)
+            item.setToolTip(chat.title)
+            self.list.addItem(item)
+            if chat.id == selected:
+                self.list.setCurrentItem(item)
+
+    def chat_ids(self) -> list[int]:
+        return [self.list.item(i).data(Qt.UserRole) for i in range(self.list.count())]
+
+
+def _wrapped(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setWordWrap(True)
+    return label
+
+
+def _visible(text: str) -> str:
+    return text.replace("\n", "\\n").replace("\t", "\\t") if text.strip() else repr(text)
+
+
+class TokenView(QWidget):
+    """A reply's tokens (a list) and, for the one selected, its alternatives and per-layer FFN outcomes."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.events: list = []   # the reply's TokenEvents
+        self.caption = QLabel("Pick a reply (right-click it: Show tokens…); the last reply is shown by default.")
+        self.caption.setWordWrap(True)
+        self.tokens = QListWidget()
+        self.tokens.setAccessibleName("Reply tokens")
+        self.tokens.currentRowChanged.connect(self.show_token)
+        self.alternatives = self._table(["Token", "Probability"], "Top alternatives")
+        self.layers = self._table(["Layer", "FFN"], "FFN per layer")
+        self.note = QLabel("")
+        self.note.setWordWrap(True)
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(0, 0, 0, 0)
+        right_layout.addWidget(_wrapped("Top 5 (the model's probabilities at this step)"))
+        right_layout.addWidget(self.alternatives)
+        right_layout.addWidget(self.note)
+        right_layout.addWidget(_wrapped("FFN per layer, in the pass this token was sampled from"))
+        right_layout.addWidget(self.layers, 1)
+        splitter = QSplitter(Qt.Vertical)   # narrow: it shares the right-hand dock with the other panels
+        splitter.addWidget(self.tokens)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(1, 2)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.caption)
+        layout.addWidget(splitter, 1)
+
+    @staticmethod
+    def _table(headers: list[str], name: str) -> QTableWidget:
+        table = QTableWidget(0, len(headers))
+        table.setHorizontalHeaderLabels(headers)
+        table.setAccessibleName(name)
+        table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        table.verticalHeader().hide()
+        table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        return table
+
+    def show_reply(self, events: list, caption: str) -> None:
+        self.events = list(events)
+        self.caption.setText(caption if self.events else
+                             f"{caption}: no token details (kept for replies that ran to their end in this app)")
+        self.tokens.clear()
+        for event in self.events:
+            label = f"{event.index}: {_visible(event.text) if not event.is_stop else '(stop)'}"
+            if event.alternatives:
+                chosen = next((a.probability for a in event.alternatives if a.token_id == event.token_id), None)
+                label += f"  ({chosen:.1%})" if chosen is not None else "  (<top 5)"
+            self.tokens.addItem(label)
+        if self.events:
+            self.tokens.setCurrentRow(0)
+        else:
+            self.show_token(-1)
+
+    def show_token(self, row: int) -> None:
+        event = self.events[row] if 0 <= row < len(self.events) else None
+        self.alternatives.setRowCount(0)
+        self.layers.setRowCount(0)
+        self.note.setText("")
+        if event is None:
+            return
+        for a in event.alternatives:
+            r = self.alternatives.rowCount()
+            self.alternatives.insertRow(r)
+            mark = "▶ " if a.token_id == event.token_id else ""
+            self.alternatives.setItem(r, 0, QTableWidgetItem(f"{mark}{_visible(a.text)}  [{a.token_id}]"))
+            self.alternatives.setItem(r, 1, QTableWidgetItem(f"{a.probability:.4f}"))
+        if event.alternatives and all(a.token_id != event.token_id for a in event.alternatives):
+            self.note.setText("the sampled token was not among the top 5")
+        for o in event.layers:
+            r = self.layers.rowCount()
+            self.layers.insertRow(r)
+            self.layers.setItem(r, 0, QTableWidgetItem(str(o.layer)))
+            self.layers.setItem(r, 1, QTableWidgetItem(o.describe()))
