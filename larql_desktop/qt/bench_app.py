@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from larql_desktop.tools.bench import RunTiming, peak_rss_bytes, summarise
+from larql_desktop.tools.bench import RunTiming, peak_rss_bytes, summarise, worker_main
 
 REPLY_TIMEOUT_S = 600.0
 
@@ -154,3 +155,7 @@ def run_app_worker(spec: dict) -> dict:
         finally:
             window.close()      # saves settings (into the temporary file), ends the engine thread
             l3.close()
+
+
+if __name__ == "__main__":   # python -m larql_desktop.qt.bench_app SPEC.json OUT.json (run by `bench`)
+    sys.exit(worker_main(sys.argv[1:], {"app": run_app_worker}))

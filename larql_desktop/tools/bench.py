@@ -10,7 +10,7 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   cold    the walk FFN with its caches on, each run on a fresh engine (every decode lookup misses and stores)
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
           measured run is a new session on the same engine, so its decode lookups are served by L2
-  app     the real window offscreen (larql_desktop/qt/bench_app.py): the app's default walk with L1, L2 and a
+  app     the real window offscreen (larql_desktop/qt/bench_app.py, its own module: tools/ never imports Qt): the app's default walk with L1, L2 and a
           persistent SQLite L3 in a temporary directory, cold caches every run, the cache monitor redrawing;
           timed where each token reaches the GUI thread (a chat honours stop tokens, so a run may be shorter)
   llama.cpp  llama-cpp-python on the same GGUF and thread count, fed the same prompt token ids (when the
@@ -281,25 +281,19 @@ def run_llama_worker(spec: dict) -> dict:
     return result
 
 
-def run_app_worker(spec: dict) -> dict:
-    """The app mode; Qt is imported only here (tools/ never imports PySide6 at module level)."""
-    from larql_desktop.qt.bench_app import run_app_worker as run
-
-    return run(spec)
+WORKERS = {"prepare": run_prepare_worker, "larql": run_larql_worker, "llama": run_llama_worker}
+# The app mode's worker is larql_desktop/qt/bench_app.py, run as a module of its own: tools/ never imports Qt.
+WORKER_MODULES = {"app": "larql_desktop.qt.bench_app"}
 
 
-WORKERS = {"prepare": run_prepare_worker, "larql": run_larql_worker, "llama": run_llama_worker,
-           "app": run_app_worker}
-
-
-def worker_main(argv: list[str]) -> int:
+def worker_main(argv: list[str], workers: dict = WORKERS) -> int:
     """python -m larql_desktop.tools.bench SPEC.json OUT.json (internal: run by `bench`)."""
     spec = json.loads(Path(argv[0]).read_text())
     if spec["worker"] != "llama":
         from larql_desktop.engine.graphs.store import share_thread_pool
 
         share_thread_pool(spec["threads"])   # as the CLI and the app run
-    result = WORKERS[spec["worker"]](spec)
+    result = workers[spec["worker"]](spec)
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 
@@ -310,7 +304,8 @@ def _spawn(spec: dict, workdir: Path, timeout: float) -> dict:
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec = dict(spec, spawned_at=time.time())
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "larql_desktop.tools.bench", str(spec_path), str(out_path)],
+    module = WORKER_MODULES.get(spec["worker"], "larql_desktop.tools.bench")
+    proc = subprocess.run([sys.executable, "-m", module, str(spec_path), str(out_path)],
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0 or not out_path.is_file():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
