@@ -56,6 +56,22 @@ def cmd_chat(args) -> int:
     print(f"prefill: {first.prompt_tokens} tokens in {first.seconds:.3f} s; decode: {decode_tokens} tokens at "
           f"{rate:.1f} tok/s; cache: {snap.hits} hits in {snap.lookups} decode lookups, "
           f"{snap.bypass_total} bypasses", file=sys.stderr)
+    if args.explain_misses:
+        from larql_desktop.engine.cache.near_miss import describe
+        from larql_desktop.engine.cache.walk import default_top_k
+
+        k = engine.walk_settings.top_k or default_top_k(model.config.intermediate)
+        print(f"near misses: {describe(snap.near_miss, k / model.config.intermediate)}", file=sys.stderr)
+        sampler = session.ffn.near_miss
+        if sampler is not None and sampler.miss_seconds:
+            print(f"explaining took {100 * sampler.spent / sampler.miss_seconds:.1f}% of the misses' own time "
+                  f"({sampler.skipped_for_budget} sampled misses skipped to stay within "
+                  f"{100 * sampler.budget:.0f}%)", file=sys.stderr)
+        if args.json:
+            import json
+
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(snap.to_dict(), f, indent=1)
     return 0
 
 
@@ -88,7 +104,8 @@ def _walk_settings(args):
 
     return WalkSettings(top_k=getattr(args, "top_k", None), dense=getattr(args, "ffn", "walk") == "dense",
                         key_width=getattr(args, "key_k", None), cosine_guard=getattr(args, "guard", None),
-                        feature_set_hits=getattr(args, "feature_set_hits", False))
+                        feature_set_hits=getattr(args, "feature_set_hits", False),
+                        near_miss_fraction=getattr(args, "explain_misses", 0.0))
 
 
 def cmd_bench_ffn_cache(args) -> int:
@@ -123,6 +140,46 @@ def cmd_hitrates(args) -> int:
                        "cosine_guard": resolved.cosine_guard, "max_tokens": args.max_tokens}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
+    return 0
+
+
+def cmd_collapse(args) -> int:
+    import json
+
+    from larql_desktop.engine.cache.collapse import collapse, format_report
+
+    if len(args.prompts) < 2:
+        raise ValueError("collapse compares at least two prompts")
+    model = _load(args, quiet_progress=True)
+    report = collapse(model, args.prompts, top_k=args.top_k, key_width=args.key_k)
+    for line in format_report(report):
+        print(line)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_frontier(args) -> int:
+    import json
+
+    from larql_desktop.tools.measure import format_frontier, parse_sweep, run_frontier
+
+    widths = parse_sweep(args.widths, "--widths", int)
+    taus = parse_sweep(args.taus, "--taus", float)
+    model = _load(args, quiet_progress=True)
+    points, bounds = run_frontier(model, args.prompts, widths, taus, walk=_walk_settings(args),
+                                  max_tokens=args.max_tokens, log=lambda line: print(line, file=sys.stderr, flush=True))
+    top_k = _walk_settings(args).resolved(model.config.intermediate).top_k
+    for line in format_frontier(model, top_k, points, bounds, len(args.prompts)):
+        print(line)
+    if args.json:
+        doc = {"model": model.name, "top_k": top_k, "intermediate": model.config.intermediate,
+               "prompts": args.prompts, "max_tokens": args.max_tokens, "feature_set_hits": args.feature_set_hits,
+               "designs": [p.to_dict() for p in points], "bounds": [b.to_dict() for b in bounds]}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
     return 0
 
 
@@ -298,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--ffn", choices=("dense", "walk"), default="dense",
                       help="dense FFN (default: plain inference) or LARQL's walk FFN with the L1/L2 cache")
     chat.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
+    chat.add_argument("--explain-misses", type=float, default=0.0, metavar="FRACTION",
+                      help="walk FFN: explain this share of cache misses (nearest stored entry by feature overlap "
+                           "and by cosine; time-capped at 5%% of the misses') and print the summary")
+    chat.add_argument("--json", default=None, help="with --explain-misses: write the session's statistics here")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -326,6 +387,28 @@ def build_parser() -> argparse.ArgumentParser:
     hit.add_argument("--max-tokens", type=int, default=32, help="tokens per generation (default 32)")
     hit.add_argument("--json", default=None, help="also write the figures to this JSON file")
     hit.set_defaults(func=cmd_hitrates)
+    coll = sub.add_parser("collapse", help="do paraphrases collapse? per layer: cosine of the normed FFN inputs, "
+                          "top-K overlap and key equality of two or more prompts")
+    common(coll)
+    coll.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    coll.add_argument("--key-k", type=int, default=None, help="key on the top k' of the K ids (default K)")
+    coll.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    coll.add_argument("prompts", nargs="+", metavar="PROMPT")
+    coll.set_defaults(func=cmd_collapse)
+    front = sub.add_parser("frontier", help="key width k' x cosine guard tau: hit rate against fidelity to the "
+                           "cache-off run, beside the nearest-neighbour bound at each tau")
+    common(front)
+    front.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
+    front.add_argument("--widths", default="K,64,8,1", help="key widths k' to sweep, K = all K ids (default K,64,8,1)")
+    front.add_argument("--taus", default="off,0.999,0.995,0.99",
+                       help="cosine guards to sweep, off = none (default off,0.999,0.995,0.99)")
+    front.add_argument("--feature-set-hits", action="store_true",
+                       help="tau off means the seed's semantics (any entry under the key serves), not the default "
+                            "(a hit needs the entry's own input)")
+    front.add_argument("--max-tokens", type=int, default=24, help="tokens per generation (default 24)")
+    front.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    front.add_argument("prompts", nargs="+", metavar="PROMPT")
+    front.set_defaults(func=cmd_frontier)
     bench_all = sub.add_parser("bench", help="prefill/decode speed, time to first token and peak RSS of each FFN "
                                "configuration, and llama.cpp's on the same GGUF when llama_cpp is installed")
     common(bench_all)

@@ -147,6 +147,27 @@ class MonitorModel:
             out[f"{name} KiB"] = tier.bytes / 1024.0
         return out
 
+    def near_misses(self) -> dict[str, np.ndarray] | None:
+        """Per layer, beside the hit rate: how near the explained misses came to a stored entry (nearest
+        feature-set overlap and residual cosine, their distributions, and the share a guard at tau would have
+        served). None before any statistics; zero `sampled` while explanation is off."""
+        if self.latest is None or self.latest.process.near_miss is None:
+            return None
+        return near_miss_arrays(self.latest.process)
+
+
+def near_miss_arrays(snap: StatsSnapshot) -> dict[str, np.ndarray]:
+    nm = snap.near_miss
+    hits = sum(t.hits for t in snap.tiers.values())
+    misses = snap.full_misses if snap.full_misses is not None else final_misses(snap)
+    looked = hits + misses
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hit_rate = np.where(looked > 0, hits / np.maximum(looked, 1), np.nan)
+    return {"hit_rate": hit_rate, "sampled": nm.sampled, "found": nm.found, "mean_overlap": nm.mean_overlap,
+            "mean_cosine": nm.mean_cosine, "served_rate": nm.served_rate,
+            "mean_served_error": nm.mean_served_error, "overlap_hist": nm.overlap_hist,
+            "cosine_hist": nm.cosine_hist}
+
 
 # --- exports ---
 
@@ -172,7 +193,12 @@ def stats_json(event: CacheStatsEvent) -> str:
 
 CSV_COLUMNS = ("layer", "patched", *(f"{t}_{f}" for t in TIERS for f in
                                      ("hits", "misses", "keys", "entries", "bytes", "evictions", "dropped")),
-               *(f"bypass_{r}" for r in BYPASS_REASONS))
+               *(f"bypass_{r}" for r in BYPASS_REASONS),
+               "near_miss_sampled", "near_miss_mean_overlap", "near_miss_mean_cosine", "near_miss_served")
+
+
+def _csv_float(value: float):
+    return "" if not math.isfinite(float(value)) else f"{float(value):.6f}"
 
 
 def stats_csv(event: CacheStatsEvent) -> str:
@@ -189,5 +215,11 @@ def stats_csv(event: CacheStatsEvent) -> str:
             row += [int(getattr(tier, f)[layer]) if tier is not None else 0 for f in
                     ("hits", "misses", "keys", "entries", "bytes", "evictions", "dropped")]
         row += [int(snap.bypasses[r][layer]) if r in snap.bypasses else 0 for r in BYPASS_REASONS]
+        nm = snap.near_miss
+        if nm is not None:
+            row += [int(nm.sampled[layer]), _csv_float(nm.mean_overlap[layer]), _csv_float(nm.mean_cosine[layer]),
+                    int(nm.served[layer])]
+        else:
+            row += [0, "", "", 0]
         writer.writerow(row)
     return out.getvalue()

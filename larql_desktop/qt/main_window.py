@@ -25,6 +25,7 @@ from larql_desktop.qt.protocol import (EngineActivity, ErrorReport, ModelInfo, R
                                        TokenEvent)
 from larql_desktop.qt.qt_cache_monitor import CacheMonitor
 from larql_desktop.qt.qt_chat_tab import ChatTab
+from larql_desktop.qt.qt_collapse_lab import CollapseLab
 from larql_desktop.qt.qt_patch_editor import PatchEditor
 from larql_desktop.qt.qt_sampling_panel import SamplingPanel
 from larql_desktop.qt.qt_theme import app_icon, apply_theme
@@ -111,7 +112,10 @@ class MainWindow(QMainWindow):
         self.monitor = CacheMonitor(client)
         self.monitor_dock = self.add_panel("Cache monitor", self.monitor, Qt.BottomDockWidgetArea,
                                            shortcut="Ctrl+Shift+M")
-        for panel in (self.patch_editor, self.monitor):
+        self.collapse_lab = CollapseLab(client)
+        self.collapse_lab_dock = self.add_panel("Collapse lab", self.collapse_lab, Qt.BottomDockWidgetArea)
+        self.monitor_dock.raise_()   # the monitor stays the bottom area's first view
+        for panel in (self.patch_editor, self.monitor, self.collapse_lab):
             panel.error.connect(self.show_error)
         # The right-hand panels run the full height; the monitor sits under the chats.
         self.setCorner(Qt.BottomRightCorner, Qt.RightDockWidgetArea)

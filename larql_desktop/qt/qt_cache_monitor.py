@@ -12,14 +12,16 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox,
-                               QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
-                               QWidget)
+                               QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QSpinBox, QTabWidget,
+                               QVBoxLayout, QWidget)
 
-from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings
+from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES, describe as describe_near_misses
+from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings, default_top_k
 from larql_desktop.engine.cache.l3 import L3Settings
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.qt.protocol import CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
+from larql_desktop.qt.qt_frontier import FrontierView
 from larql_desktop.qt.worker import EngineClient
 
 REFRESH_HZ = 20
@@ -32,8 +34,12 @@ CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2", "L3"))
 TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
 OUTCOME_COLOURS = {"hit": "#2ca02c", "miss": "#d62728", "bypass": "#9467bd", "dense": "#7f7f7f"}
 BAR_COLOURS = {**{f"{t} hits": c for t, c in TIER_COLOURS.items()}, "misses": "#d62728", "bypasses": "#9467bd"}
-BAR_KEYS = {**{f"{t} hit": c for t, c in TIER_COLOURS.items()}, "miss": "#d62728", "bypass": "#9467bd",
-            "patched": "#c89600"}
+# Tier names alone (the title says these are hits): the key line then fits a column at the default window size.
+BAR_KEYS = {**TIER_COLOURS, "miss": "#d62728", "bypass": "#9467bd", "patched": "#c89600"}
+# Near-miss view: per layer the hit rate, and for the explained misses the mean nearest cosine and overlap, the
+# share a guard at tau would have served, and the overlap two random K-sets have (K/F).
+NEAR_COLOURS = {"hit rate": "#2ca02c", "cosine": "#3a7bd5", "overlap": "#e8871e", "served": "#9467bd",
+                "K/F": "#7f7f7f"}
 PATCHED_COLOUR = (255, 200, 0, 70)
 
 
@@ -91,7 +97,7 @@ class CacheMonitor(QWidget):
         layout = QHBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         left = QVBoxLayout()
-        left.addWidget(self.charts, 1)
+        left.addWidget(self.chart_tabs, 1)
         left.addWidget(self.summary)
         layout.addLayout(left, 1)
         right = QVBoxLayout()
@@ -109,9 +115,10 @@ class CacheMonitor(QWidget):
 
     # --- construction ---
 
-    def _plot(self, row: int, col: int, title: str, left: str, bottom: str, keys: dict[str, str]) -> pg.PlotItem:
+    def _plot(self, row: int, col: int, title: str, left: str, bottom: str, keys: dict[str, str],
+              charts: pg.GraphicsLayoutWidget | None = None) -> pg.PlotItem:
         """A plot whose title carries its colour key (a legend would cover the data in plots this small)."""
-        plot = self.charts.addPlot(row=row, col=col)
+        plot = (charts if charts is not None else self.charts).addPlot(row=row, col=col)
         plot.setLabel("left", left)
         plot.setLabel("bottom", bottom)
         plot.showGrid(x=True, y=True, alpha=0.25)
@@ -167,7 +174,8 @@ class CacheMonitor(QWidget):
         self._text_colour = "#1a1a1a"
         self.charts = pg.GraphicsLayoutWidget()
         self.charts.setAccessibleName("Cache charts")
-        self.charts.setMinimumSize(240, 100)
+        # With the view tabs above them the charts keep the panel's minimum height as it was without tabs.
+        self.charts.setMinimumSize(240, 72)
         self.charts.ci.setSpacing(4)
         self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", "s", TIER_COLOURS)
         self.hit_plot.setYRange(0, 1.15, padding=0)
@@ -183,8 +191,7 @@ class CacheMonitor(QWidget):
                                         {"mean": "#2ca02c", "min": "#d62728"})
         self.fidelity_lines = {"mean_cosine": self._line(self.fidelity_plot, "mean", "#2ca02c"),
                                "min_cosine": self._line(self.fidelity_plot, "min", "#d62728", 1)}
-        self.layer_plot = self._plot(1, 0, "Calls per layer", "calls", "layer",
-                                     BAR_KEYS)
+        self.layer_plot = self._plot(1, 0, "Calls per layer (hits by tier)", "calls", "layer", BAR_KEYS)
         # Patched layers: a shaded column behind their bars, drawn first so the counts stay on top.
         self.patched_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.95,
                                             brush=pg.mkBrush(PATCHED_COLOUR), pen=pg.mkPen("#c89600", width=1.5))
@@ -194,10 +201,65 @@ class CacheMonitor(QWidget):
         self.entry_bars = self._bar_stack(self.entries_plot, TIER_COLOURS)
         self.memory_plot = self._plot(1, 2, "Bytes per layer", "KiB", "layer", TIER_COLOURS)
         self.memory_bars = self._bar_stack(self.memory_plot, TIER_COLOURS)
+        # The first column's key lines are the longest (six series under "Calls per layer"): a wider column
+        # keeps them whole at the default window size.
+        for col, stretch in enumerate((4, 3, 3)):
+            self.charts.ci.layout.setColumnStretchFactor(col, stretch)
+        self._build_near_miss_charts()
+        self.chart_tabs = QTabWidget()
+        self.chart_tabs.setAccessibleName("Cache chart views")
+        self.chart_tabs.setDocumentMode(True)
+        self.chart_tabs.addTab(self.charts, "Live")
+        self.chart_tabs.addTab(self.near_view, "Near misses per layer")
+        self.frontier = FrontierView(self.client)
+        self.frontier.error.connect(self.error)
+        self.chart_tabs.addTab(self.frontier, "Frontier")
+        self.chart_tabs.currentChanged.connect(lambda _: self.refresh(force=True))
         self.summary = QLabel("No statistics yet: load a model and send a prompt.")
         self.summary.setWordWrap(True)
         self.summary.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.summary.setAccessibleName("Cache summary")
+
+    def _heatmap(self, plot: pg.PlotItem) -> pg.ImageItem:
+        image = pg.ImageItem(axisOrder="row-major")
+        image.setColorMap(pg.colormap.get("viridis"))
+        plot.addItem(image)
+        return image
+
+    def _build_near_miss_charts(self) -> None:
+        """Per layer, next to the hit rate: how near the explained misses came to a stored entry."""
+        self.near_charts = pg.GraphicsLayoutWidget()
+        self.near_charts.setAccessibleName("Near-miss charts")
+        self.near_charts.setMinimumSize(240, 72)
+        self.near_charts.ci.setSpacing(4)
+        self.near_plot = self._plot(0, 0, "Hits · nearest entry of misses", "share", "layer",
+                                    NEAR_COLOURS, charts=self.near_charts)
+        self.near_plot.setYRange(0, 1.05, padding=0)
+        self.near_lines = {name: self._line(self.near_plot, name, colour) for name, colour in NEAR_COLOURS.items()
+                           if name != "K/F"}
+        self.near_baseline = pg.InfiniteLine(angle=0, pen=pg.mkPen(NEAR_COLOURS["K/F"], width=1.5,
+                                                                   style=Qt.DashLine))
+        self.near_plot.addItem(self.near_baseline)
+        self.overlap_map_plot = self._plot(0, 1, "Nearest overlap |A∩B|/K", "overlap", "layer", {},
+                                           charts=self.near_charts)
+        self.overlap_map = self._heatmap(self.overlap_map_plot)
+        self.cosine_map_plot = self._plot(0, 2, "Nearest residual cosine", "cosine ≥", "layer", {},
+                                          charts=self.near_charts)
+        self.cosine_map = self._heatmap(self.cosine_map_plot)
+        # Cosine bins are finer near 1: rows are bins, each labelled by its lower edge.
+        self.cosine_map_plot.getAxis("left").setTicks([[(i, f"{edge:g}") for i, edge in enumerate(COSINE_EDGES[:-1])],
+                                                       []])
+        self.near_charts.ci.layout.setColumnStretchFactor(0, 3)
+        for col in (1, 2):
+            self.near_charts.ci.layout.setColumnStretchFactor(col, 2)
+        self.near_summary = QLabel("No statistics yet: load a model and send a prompt.")
+        self.near_summary.setWordWrap(True)
+        self.near_summary.setAccessibleName("Near-miss summary")
+        self.near_view = QWidget()
+        column = QVBoxLayout(self.near_view)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.near_charts, 1)
+        column.addWidget(self.near_summary)
 
     def _build_controls(self) -> None:
         self.l1 = TierControls("L1")
@@ -247,6 +309,18 @@ class CacheMonitor(QWidget):
         form.addRow("Key width k'", self.key_width)
         form.addRow("Cosine guard", self.guard)
         form.addRow("Verify fraction", self.verify)
+        self.near_fraction = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.05, decimals=2)
+        self.near_fraction.setSpecialValueText("off")
+        self.near_fraction.setAccessibleName("Explain misses")
+        self.near_fraction.setToolTip("Share of misses compared with every stored entry of their layer (nearest by "
+                                      "feature overlap and by cosine); its time is capped at 5% of the misses'")
+        self.near_tau = QDoubleSpinBox(minimum=0.0, maximum=1.0, singleStep=0.001, decimals=4)
+        self.near_tau.setValue(WalkSettings().near_miss_tau)
+        self.near_tau.setAccessibleName("Near-miss tau")
+        self.near_tau.setToolTip("Would a cosine guard at this tau have served the miss? (the cosine guard's "
+                                 "own tau when it is on)")
+        form.addRow("Explain misses", self.near_fraction)
+        form.addRow("Near-miss tau", self.near_tau)
         self.apply_button = QPushButton("Apply settings")
         self.apply_button.setAccessibleName("Apply cache settings")
         self.apply_button.clicked.connect(self.apply)
@@ -313,7 +387,8 @@ class CacheMonitor(QWidget):
         """Raises ValueError for values the engine refuses."""
         walk = WalkSettings(top_k=self.top_k.value() or None, dense=self.dense.isChecked(),
                             key_width=self.key_width.value() or None,
-                            cosine_guard=self.guard.value() or None, verify_fraction=self.verify.value())
+                            cosine_guard=self.guard.value() or None, verify_fraction=self.verify.value(),
+                            near_miss_fraction=self.near_fraction.value(), near_miss_tau=self.near_tau.value())
         l3 = L3Settings(self.l3_enabled.isChecked(), self.l3_max_mb.value() << 20,
                         "float16" if self.l3_fp16.isChecked() else "float32")
         return CacheSettings(walk, self.l1.settings(), self.l2.settings(), l3)
@@ -330,6 +405,8 @@ class CacheMonitor(QWidget):
         self.key_width.setValue(w.key_width or 0)
         self.guard.setValue(w.cosine_guard or 0.0)
         self.verify.setValue(w.verify_fraction)
+        self.near_fraction.setValue(w.near_miss_fraction)
+        self.near_tau.setValue(w.near_miss_tau)
         self.l1.set_settings(c.l1)
         self.l2.set_settings(c.l2)
         self._set_l3_settings(c.l3)
@@ -338,7 +415,8 @@ class CacheMonitor(QWidget):
         c = self.cache_settings()
         store.beginGroup(group)
         for key, value in (("dense", c.walk.dense), ("top_k", c.walk.top_k or 0), ("key_width", c.walk.key_width or 0),
-                           ("cosine_guard", c.walk.cosine_guard or 0.0), ("verify", c.walk.verify_fraction)):
+                           ("cosine_guard", c.walk.cosine_guard or 0.0), ("verify", c.walk.verify_fraction),
+                           ("near_miss", c.walk.near_miss_fraction), ("near_miss_tau", c.walk.near_miss_tau)):
             store.setValue(key, value)
         for name, t in (("l1", c.l1), ("l2", c.l2)):
             store.setValue(f"{name}_enabled", t.enabled)
@@ -357,7 +435,10 @@ class CacheMonitor(QWidget):
                                 dense=_settings_value(store, "dense", bool, False),
                                 key_width=_settings_value(store, "key_width", int, 0) or None,
                                 cosine_guard=_settings_value(store, "cosine_guard", float, 0.0) or None,
-                                verify_fraction=_settings_value(store, "verify", float, 0.0))
+                                verify_fraction=_settings_value(store, "verify", float, 0.0),
+                                near_miss_fraction=_settings_value(store, "near_miss", float, 0.0),
+                                near_miss_tau=_settings_value(store, "near_miss_tau", float,
+                                                              WalkSettings().near_miss_tau))
             tiers = [TierSettings(_settings_value(store, f"{n}_enabled", bool, True),
                                   _settings_value(store, f"{n}_capacity", int, TierSettings().capacity),
                                   _settings_value(store, f"{n}_policy", str, "drop")) for n in ("l1", "l2")]
@@ -403,10 +484,10 @@ class CacheMonitor(QWidget):
         return path
 
     def export_charts(self, path: str | Path) -> Path:
-        """A PNG of the charts as shown (pyqtgraph's SVG export is broken on Qt 6.11+)."""
+        """A PNG of the charts view shown (pyqtgraph's SVG export is broken on Qt 6.11+)."""
         self.refresh(force=True)
         path = Path(path)
-        if not self.charts.grab().save(str(path), "PNG"):
+        if not self.chart_tabs.currentWidget().grab().save(str(path), "PNG"):
             raise OSError(f"could not write {path}")
         return path
 
@@ -481,16 +562,19 @@ class CacheMonitor(QWidget):
     def set_dark(self, dark: bool) -> None:
         self.charts.setBackground("#1e1e1e" if dark else "#ffffff")
         pen = pg.mkPen("#d0d0d0" if dark else "#303030")
-        for plot in (self.hit_plot, self.latency_plot, self.fidelity_plot, self.layer_plot, self.entries_plot,
-                     self.memory_plot):
+        self.near_charts.setBackground("#1e1e1e" if dark else "#ffffff")
+        for plot in self._all_plots():
             for axis in ("left", "bottom"):
                 plot.getAxis(axis).setPen(pen)
                 plot.getAxis(axis).setTextPen(pen)
         self._text_colour = "#e6e6e6" if dark else "#1a1a1a"
-        for plot in (self.hit_plot, self.latency_plot, self.fidelity_plot, self.layer_plot, self.entries_plot,
-                     self.memory_plot):
+        for plot in self._all_plots():
             self._set_title(plot, plot._title)
         self._drawn = -1
+
+    def _all_plots(self) -> tuple:
+        return (self.hit_plot, self.latency_plot, self.fidelity_plot, self.layer_plot, self.entries_plot,
+                self.memory_plot, self.near_plot, self.overlap_map_plot, self.cosine_map_plot)
 
     def refresh(self, force: bool = False) -> None:
         """Copy the model into the plot items (a no-op if nothing changed since the last call)."""
@@ -524,6 +608,46 @@ class CacheMonitor(QWidget):
         self._set_stack(self.memory_plot, self.memory_bars, x,
                         {name: layers.get(f"{name} KiB", zeros) for name in self.memory_bars})
         self._update_titles(event)
+        self._refresh_near_misses(event)
+
+    def _random_overlap(self, event: CacheStatsEvent) -> float | None:
+        info = self.client.model
+        if info is None or not info.intermediate or event.settings.walk.dense:
+            return None
+        k = event.settings.walk.top_k or default_top_k(info.intermediate)
+        return min(k, info.intermediate) / info.intermediate
+
+    def _refresh_near_misses(self, event: CacheStatsEvent) -> None:
+        near = self.model.near_misses()
+        if near is None:
+            return
+        x = np.arange(event.n_layers, dtype=float)
+        for name, key in (("hit rate", "hit_rate"), ("cosine", "mean_cosine"), ("overlap", "mean_overlap"),
+                          ("served", "served_rate")):
+            y = np.asarray(near[key], dtype=float)
+            if np.isfinite(y).any():
+                self.near_lines[name].setData(x, y)
+            else:
+                self.near_lines[name].setData([], [])   # all-NaN series make pyqtgraph warn about bounds
+        baseline = self._random_overlap(event)
+        self.near_baseline.setVisible(baseline is not None)
+        if baseline is not None:
+            self.near_baseline.setValue(baseline)
+        self.near_plot.setXRange(-0.5, event.n_layers - 0.5, padding=0)
+        for image, plot, hist, edges in ((self.overlap_map, self.overlap_map_plot, near["overlap_hist"], OVERLAP_EDGES),
+                                         (self.cosine_map, self.cosine_map_plot, near["cosine_hist"], COSINE_EDGES)):
+            counts = np.asarray(hist, dtype=float).T               # (bins, layers)
+            totals = counts.sum(axis=0, keepdims=True)
+            share = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+            if image is self.overlap_map:                          # overlap rows sit at their value
+                image.setImage(share, autoLevels=False, levels=(0, 1))
+                image.setRect(-0.5, 0.0, event.n_layers, 1.0)
+                plot.setRange(xRange=(-0.5, event.n_layers - 0.5), yRange=(0, 1), padding=0)
+            else:                                                  # cosine rows are bins (finer near 1)
+                image.setImage(share, autoLevels=False, levels=(0, 1))
+                image.setRect(-0.5, -0.5, event.n_layers, len(edges) - 1)
+                plot.setRange(xRange=(-0.5, event.n_layers - 0.5), yRange=(-0.5, len(edges) - 1.5), padding=0)
+        self.near_summary.setText(describe_near_misses(event.process.near_miss, baseline))
 
     def _update_titles(self, event: CacheStatsEvent) -> None:
         tiers = event.process.tiers

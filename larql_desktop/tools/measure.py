@@ -1,8 +1,9 @@
 """Measurements of what the cache gains and costs: the seed's one-layer benchmark and its hit-rate table."""
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Callable
@@ -10,9 +11,11 @@ from typing import Callable
 import numpy as np
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import CacheStats, CacheTier, FidelitySummary, TierSettings, WalkFfn, WalkSettings
+from larql_desktop.engine.cache.walk import (GUARD_NORM_TOLERANCE, CacheStats, CacheTier, FidelitySummary, TierSettings,
+                                             WalkFfn, WalkSettings)
 from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.model.chat import ChatSession
 from larql_desktop.engine.loading import LoadedModel
 
 Log = Callable[[str], None]
@@ -161,19 +164,27 @@ def read_scenarios(path: str | Path) -> dict:
     return scenarios
 
 
+class CacheOffReference:
+    """Each prompt's greedy tokens under the walk FFN with every cache off: what a cached run should reproduce."""
+
+    def __init__(self, model: LoadedModel, walk: WalkSettings, settings: SamplingSettings):
+        self.settings = settings
+        self._engine = LarqlEngine(model, walk=walk, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+        self._tokens: dict[str, list[int]] = {}
+
+    def tokens(self, prompt: str) -> list[int]:
+        if prompt not in self._tokens:
+            session = self._engine.new_session()
+            self._tokens[prompt] = [s.token_id for s in session.reply(prompt, self.settings)]
+            self._engine.close_session(session)
+        return self._tokens[prompt]
+
+
 def run_hitrates(model: LoadedModel, scenarios: dict, walk: WalkSettings, max_tokens: int = 32,
                  log: Log = lambda s: None) -> dict[str, ScenarioResult]:
     kind = "chat" if model.is_chat else "text"
     settings = SamplingSettings(max_tokens=max_tokens)
-    reference_tokens: dict[str, list[int]] = {}
-    off = LarqlEngine(model, walk=walk, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
-
-    def cache_off_tokens(prompt: str) -> list[int]:
-        if prompt not in reference_tokens:
-            session = off.new_session()
-            reference_tokens[prompt] = [s.token_id for s in session.reply(prompt, settings)]
-            off.close_session(session)
-        return reference_tokens[prompt]
+    cache_off_tokens = CacheOffReference(model, walk, settings).tokens
 
     measured_walk = WalkSettings(**{**vars(walk), "verify_fraction": 1.0})
     results: dict[str, ScenarioResult] = {}
@@ -263,4 +274,227 @@ def format_hitrates(model: LoadedModel, walk: WalkSettings, results: dict[str, S
     lines.append("L1/L2: decode lookups that hit. x-prompt: share of a prompt's keys that another prompt of the "
                  "scenario also produced (what an L2 warmed by *other* prompts could serve). Hit cosine: cached "
                  "vs freshly computed output on every hit. Greedy agreement: tokens equal to a cache-off run.")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ frontier
+class MeasurementStopped(Exception):
+    """The caller's should_stop() said so between two generations."""
+
+
+def parse_sweep(text: str, what: str, parse) -> list:
+    """'K,64,8' or 'off,0.999': comma-separated values, where K / off / none stand for None (k' = K, no guard)."""
+    values = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part.lower() in ("k", "off", "none"):
+            values.append(None)
+            continue
+        try:
+            values.append(parse(part))
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number") from None
+    if not values:
+        raise ValueError(f"{what}: give at least one value")
+    return values
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One design on the prompts: hit rate of decode lookups against fidelity to the cache-off run."""
+    key_width: int | None        # None: the nearest-neighbour bound (no key at all)
+    tau: float | None            # cosine guard; None: off
+    lookups: int                 # decode lookups
+    hits: int
+    agree_tokens: int            # greedy tokens equal to the cache-off run's, position by position
+    total_tokens: int
+    identical: int               # generations identical to the cache-off run
+    generations: int
+    mean_cosine: float           # cached vs fresh output on every hit (nan without hits)
+    min_cosine: float
+    feature_set_hits: bool = False   # with tau None: the seed's rule (any entry under the key), else "near"
+
+    @property
+    def is_bound(self) -> bool:
+        return self.key_width is None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def agreement(self) -> float:
+        return self.agree_tokens / self.total_tokens if self.total_tokens else 1.0
+
+    def to_dict(self) -> dict:
+        def finite(v):
+            return v if math.isfinite(v) else None
+        return {"design": "nearest-neighbour bound" if self.is_bound else "feature key",
+                "key_width": self.key_width, "tau": self.tau, "hit_rate": self.hit_rate, "hits": self.hits,
+                "lookups": self.lookups, "greedy_agreement": self.agreement, "identical": self.identical,
+                "generations": self.generations, "hit_cosine_mean": finite(self.mean_cosine),
+                "hit_cosine_min": finite(self.min_cosine), "tau_label": self.tau_label}
+
+    @property
+    def tau_label(self) -> str:
+        """'0.995'; without a guard 'exact' (a hit needs the entry's own input) or 'seed' (any entry under the key)."""
+        if self.tau is not None:
+            return f"{self.tau:g}"
+        return "seed" if self.feature_set_hits else "exact"
+
+
+class NearestNeighbourFfn:
+    """The frontier's upper bound at a guard tau: every decode lookup is served by the stored output whose input
+    is nearest by cosine among those the cache's guard accepts (walk.HitRule "cosine": cos >= tau, norms within
+    GUARD_NORM_TOLERANCE), whatever its feature set. No key can hit where this misses (a key only narrows the
+    candidates a guard may accept). Like the engine's cache, prefill neither serves nor stores; every decode
+    miss stores. Each hit is also computed fresh to measure its output cosine."""
+
+    takes_gate_scores = True
+
+    def __init__(self, walk: WalkFfn, n_layers: int, tau: float):
+        self.walk = walk                   # cache-off walk FFN: what a miss computes
+        self.tau = tau
+        self._inputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]   # unit vectors
+        self._matrix: list[np.ndarray | None] = [None] * n_layers
+        self._outputs: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        self._norms: list[list[float]] = [[] for _ in range(n_layers)]
+        self.lookups = 0
+        self.hits = 0
+        self.cosines: list[float] = []
+
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.call_with_scores(layer, x, None)
+
+    def _stored(self, layer: int) -> np.ndarray | None:
+        if self._matrix[layer] is None or len(self._matrix[layer]) != len(self._inputs[layer]):
+            self._matrix[layer] = np.stack(self._inputs[layer]) if self._inputs[layer] else None
+        return self._matrix[layer]
+
+    def call_with_scores(self, layer: int, x: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
+        if x.shape[0] != 1:
+            return self.walk.call_with_scores(layer, x, scores)
+        self.lookups += 1
+        norm = float(np.linalg.norm(x[0]))
+        x0 = x[0] / (norm + 1e-30)
+        stored = self._stored(layer)
+        fresh = self.walk.call_with_scores(layer, x, scores)
+        if stored is not None:
+            norms = np.asarray(self._norms[layer])
+            guardable = np.abs(norm / np.maximum(norms, 1e-30) - 1.0) <= GUARD_NORM_TOLERANCE
+            cos = np.where(guardable, stored @ x0, -np.inf)
+            best = int(np.argmax(cos))
+            if cos[best] >= self.tau:
+                served = self._outputs[layer][best]
+                self.hits += 1
+                self.cosines.append(float(served @ fresh[0]) / (float(np.linalg.norm(served) * np.linalg.norm(fresh[0]))
+                                                                + 1e-30))
+                return served[None, :].copy()
+        self._inputs[layer].append(x0.astype(np.float32))
+        self._norms[layer].append(norm)
+        self._outputs[layer].append(fresh[0].copy())
+        return fresh
+
+
+def _cosine_summary(cosines) -> tuple[float, float]:
+    return (float(np.mean(cosines)), float(np.min(cosines))) if len(cosines) else (math.nan, math.nan)
+
+
+def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None], taus: list[float | None],
+                 walk: WalkSettings = WalkSettings(), max_tokens: int = 32, log: Log = lambda s: None,
+                 should_stop: Callable[[], bool] = lambda: False) -> tuple[list[FrontierPoint], list[FrontierPoint]]:
+    """Key width k' x guard tau on the prompts, run one after another with fresh sessions sharing the process
+    L2 (so a prompt can hit what an earlier one stored, and its own decode steps what it stored itself); and the
+    nearest-neighbour bound at each tau. Returns (designs, bounds). `widths`: None means k' = K. `walk` gives K
+    and what tau None means: the engine's default (a hit needs the entry's own input) or, with
+    feature_set_hits, the seed's (any entry under the key)."""
+    if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ValueError("the frontier needs one or more non-empty prompts")
+    if not widths or not taus:
+        raise ValueError("the frontier needs at least one key width and one tau")
+    F = model.config.intermediate
+    base = replace(walk, key_width=None, cosine_guard=None, verify_fraction=0.0).resolved(F)
+    # Resolved up front: impossible widths or taus are refused before any run, and k' = K reads as a number.
+    designs = [replace(base, key_width=w, cosine_guard=t, verify_fraction=1.0).resolved(F)
+               for w in widths for t in taus]
+    settings = SamplingSettings(max_tokens=max_tokens)
+    reference = CacheOffReference(model, base, settings)
+
+    def generate(session, prompt: str) -> list[int]:
+        if should_stop():
+            raise MeasurementStopped("the frontier was stopped")
+        return [s.token_id for s in session.reply(prompt, settings)]
+
+    def agreement(runs: list[tuple[str, list[int]]]) -> tuple[int, int, int]:
+        """(tokens equal to the cache-off run, tokens compared, identical generations) over (prompt, tokens)."""
+        agree = total = same = 0
+        for prompt, tokens in runs:
+            ref = reference.tokens(prompt)
+            agree += sum(a == b for a, b in zip(tokens, ref))
+            total += max(len(tokens), len(ref))
+            same += int(tokens == ref)
+        return agree, total, same
+
+    points = []
+    for walk in designs:
+        engine = LarqlEngine(model, walk=walk)
+        runs, lookups, hits = [], 0, 0
+        for prompt in prompts:
+            session = engine.new_session()
+            runs.append((prompt, generate(session, prompt)))
+            snap = engine.session_snapshot(session)
+            lookups += snap.lookups
+            hits += int(snap.tiers["L1"].hits.sum() + snap.tiers["L2"].hits.sum())
+            engine.close_session(session)
+        agree, total, same = agreement(runs)
+        fid = engine.snapshot().fidelity
+        point = FrontierPoint(walk.key_width, walk.cosine_guard, lookups, hits, agree, total, same, len(prompts),
+                              fid.mean_cosine if fid.checked else math.nan,
+                              fid.min_cosine if fid.checked else math.nan, walk.feature_set_hits)
+        points.append(point)
+        log(f"k'={walk.key_width} tau={walk.cosine_guard}: hit rate {100 * point.hit_rate:.1f}%, "
+            f"agreement {100 * point.agreement:.1f}%")
+    bounds = []
+    cfg = model.config
+    for tau in sorted({t for t in taus if t is not None}, reverse=True):
+        off = WalkFfn(model.ffn, F, model.checksum, base, None, None, ())
+        oracle = NearestNeighbourFfn(off, cfg.n_layers, tau)
+        runs = []
+        for prompt in prompts:
+            runs.append((prompt, generate(ChatSession(model, oracle), prompt)))
+        agree, total, same = agreement(runs)
+        mean, low = _cosine_summary(oracle.cosines)
+        bound = FrontierPoint(None, tau, oracle.lookups, oracle.hits, agree, total, same, len(prompts), mean, low)
+        bounds.append(bound)
+        log(f"bound tau={tau}: hit rate {100 * bound.hit_rate:.1f}%, agreement {100 * bound.agreement:.1f}%")
+    return points, bounds
+
+
+def format_frontier(model: LoadedModel, top_k: int, points: list[FrontierPoint], bounds: list[FrontierPoint],
+                    n_prompts: int) -> list[str]:
+    lines = [f"frontier: {model.name}, K={top_k} of {model.config.intermediate}, {n_prompts} prompts in one "
+             "process (fresh sessions, shared L2)",
+             f"{'design':26s} {'tau':>7s} {'hit rate':>9s} {'lookups':>8s} {'greedy agree':>12s} "
+             f"{'same text':>9s} {'hit cos mean/min':>17s}"]
+
+    def row(p: FrontierPoint) -> str:
+        name = "NN bound (any key)" if p.is_bound else f"key k'={p.key_width}"
+        tau = p.tau_label
+        cos = "—" if not math.isfinite(p.mean_cosine) else f"{p.mean_cosine:.4f}/{p.min_cosine:.4f}"
+        return (f"{name:26s} {tau:>7s} {_pct(p.hit_rate):>9s} {p.lookups:8d} {_pct(p.agreement):>12s} "
+                f"{p.identical:>4d}/{p.generations:<4d} {cos:>17s}")
+
+    by_tau: dict = {}
+    for p in points:
+        by_tau.setdefault(p.tau, []).append(p)
+    for tau, group in by_tau.items():
+        lines.extend(row(p) for p in group)
+        lines.extend(row(b) for b in bounds if b.tau == tau)
+    lines.append("tau exact: no guard, a hit needs the entry's own input (the default); seed: no guard, any entry "
+                 "under the key (--feature-set-hits).")
+    lines.append("hit rate: decode lookups served from a cache. Greedy agreement: tokens equal to the cache-off "
+                 "run. NN bound: every lookup served by the nearest stored input when its cosine reaches tau, the "
+                 "most any key design with that guard could hit.")
     return lines

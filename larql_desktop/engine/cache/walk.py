@@ -27,6 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
+from larql_desktop.engine.cache.near_miss import NearMissCounts, NearMissSampler, NearMissSnapshot
 from larql_desktop.engine.model.transformer import ACTIVATIONS
 from larql_desktop.engine.patches.overlay import CLEAN_EPOCH, PatchOverlay
 
@@ -88,10 +89,11 @@ class TierSettings:
 class CacheEntry:
     output: np.ndarray      # (d,) raw FFN output, read-only
     residual: np.ndarray    # (d,) the normed FFN input it was computed from, read-only
+    features: np.ndarray | None = None   # packed bitset of the selected features (near-miss explanation on)
 
     @property
     def nbytes(self) -> int:
-        return self.output.nbytes + self.residual.nbytes
+        return self.output.nbytes + self.residual.nbytes + (0 if self.features is None else self.features.nbytes)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -271,6 +273,13 @@ class CacheTier:
                 self._entries[layer] -= len(bucket)
             return len(doomed)
 
+    def entries_of(self, layer: int, namespace) -> list[CacheEntry]:
+        """Every entry of `layer` under `namespace` (near-miss explanation: the candidates a miss is compared with)."""
+        if not self._valid_layer(layer):
+            return []
+        with self._lock:
+            return [e for key, bucket in self._layers[layer].items() if key[0] == namespace for e in bucket]
+
     def occupancy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(keys, entries, bytes, evictions, dropped) per layer, copied."""
         with self._lock:
@@ -334,6 +343,7 @@ class StatsSnapshot:
     recent: tuple           # (timestamp, layer, outcome, seconds) of the latest calls
     # Per layer, lookups that missed every tier they consulted (the FFN was computed); None from older producers.
     full_misses: np.ndarray | None = None
+    near_miss: NearMissSnapshot | None = None   # explained misses (engine/cache/near_miss.py)
 
     @property
     def hits(self) -> int:
@@ -350,7 +360,8 @@ class StatsSnapshot:
                 "latency_us": {k: vars(v) for k, v in self.latency.items()},
                 "fidelity": vars(self.fidelity),
                 **({"full_misses": {"total": int(self.full_misses.sum()), "per_layer": self.full_misses.tolist()}}
-                   if self.full_misses is not None else {})}
+                   if self.full_misses is not None else {}),
+                **({"near_miss": self.near_miss.to_dict()} if self.near_miss is not None else {})}
 
 
 class CacheStats:
@@ -379,6 +390,7 @@ class CacheStats:
             self._fid_n, self._fid_sum, self._fid_min, self._fid_maxabs, self._fid_stale = 0, 0.0, 1.0, 0.0, 0.0
             self._calls = 0
             self._lookups = 0
+            self._near_miss = NearMissCounts(n)
 
     def record(self, layer: int, outcome: str, seconds: float | None, *, tier_results=(),
                bypass: str | None = None) -> None:
@@ -411,6 +423,10 @@ class CacheStats:
             self._fid_maxabs = max(self._fid_maxabs, max_abs)
             self._fid_stale = max(self._fid_stale, stale)
 
+    def record_near_miss(self, layer: int, found) -> None:
+        with self._lock:
+            self._near_miss.record(layer, found)
+
     def snapshot(self, tiers: dict[str, list["CacheTier"]], enabled: dict[str, bool]) -> StatsSnapshot:
         """`tiers`: the tier objects whose occupancy is summed under each tier name (L1: every session's)."""
         with self._lock:
@@ -435,7 +451,7 @@ class CacheStats:
                                   self._fid_stale)
             return StatsSnapshot(self._calls, self._lookups, tier_snaps,
                                  {r: v.copy() for r, v in self._bypass.items()}, latency, fid,
-                                 tuple(self._recent), self._full_misses.copy())
+                                 tuple(self._recent), self._full_misses.copy(), self._near_miss.snapshot())
 
 
 # ----------------------------------------------------------------------------------------------- walk FFN
@@ -460,6 +476,10 @@ class WalkSettings:
     # Dense passes (dense settings, no INSERT overrides) may run as one call of the whole-model decoder graph;
     # False keeps them layer by layer, like the walk (the bench's like-for-like baseline for the cache).
     whole_model_graph: bool = True
+    # Near-miss explanation (engine/cache/near_miss.py): share of misses explained (0: off), and the guard tau
+    # it judges them by when cosine_guard is None.
+    near_miss_fraction: float = 0.0
+    near_miss_tau: float = 0.995
 
     def __post_init__(self):
         if self.top_k is not None and self.top_k < 1:
@@ -474,6 +494,10 @@ class WalkSettings:
             raise ValueError(f"bucket size must be between 1 and 256, not {self.bucket_size}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify fraction must be within [0, 1], not {self.verify_fraction}")
+        if not 0.0 <= self.near_miss_fraction <= 1.0:
+            raise ValueError(f"near-miss fraction must be within [0, 1], not {self.near_miss_fraction}")
+        if not -1.0 <= self.near_miss_tau <= 1.0:
+            raise ValueError(f"near-miss tau must be within [-1, 1], not {self.near_miss_tau}")
         if self.patch_mode not in PATCH_MODES:
             raise ValueError(f"patch mode must be one of {', '.join(PATCH_MODES)}, not {self.patch_mode!r}")
 
@@ -559,6 +583,10 @@ class WalkFfn:
         self.full_k = is_full_k(self.settings.top_k, intermediate)
         self.activation = ACTIVATIONS[graphs.config.activation]
         self._rng = np.random.default_rng(self.settings.verify_seed)
+        s = self.settings
+        self.near_miss = None if not s.near_miss_fraction else NearMissSampler(
+            s.near_miss_fraction, s.cosine_guard if s.cosine_guard is not None else s.near_miss_tau,
+            intermediate, s.top_k, seed=s.verify_seed)
 
     def namespace(self, epoch: str) -> tuple:
         """What an entry's output depends on besides the feature key: the model, K, key width, the layer's
@@ -709,11 +737,15 @@ class WalkFfn:
         out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
         # An overflowed output (an absurd input, a broken graph) is returned as computed but never stored: a
         # cache holds only what a later hit may serve.
+        entry = None
         if np.isfinite(out).all():
-            entry = CacheEntry(_frozen(out[0]), _frozen(x0))
+            bits = None if self.near_miss is None else self.near_miss.bits(picks[0])
+            entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
             for tier in tiers:
                 tier.store(layer, key, entry, bucket)
         self._record(layer, "miss", started, tier_results=tuple(results))
+        if self.near_miss is not None and entry is not None:
+            self.near_miss.after_miss(layer, started, x0, out[0], entry, tiers, key[0], self.stats)
         return out
 
     def _verify(self, layer, x, scores, mask, entry: CacheEntry) -> None:
