@@ -55,6 +55,8 @@ def test_bench_writes_positive_figures_for_every_mode(tmp_path):
     assert app["cache"]["hits"] == 0 and app["cache"]["lookups"] > 0 and app["l3_status"]["errors"] == {}
     assert app["engine_decode_tok_s"] > 0 and app["cpu_ms_per_token"]["gui"] > 0
     assert "app_decode_within_10pct_of_cold" in doc["targets"]
+    assert len(app["paired_cold"]["app_over_cold"]) == 2 and app["paired_cold"]["app_over_cold_median"] > 0
+    assert "app vs headless cold" in result.stdout
     # The whole-model graph and the per-layer graphs are the same computation.
     assert doc["modes"]["layered"]["tokens"] == doc["modes"]["dense"]["tokens"]
     assert "warm_decode_faster_than_dense" in doc["targets"]

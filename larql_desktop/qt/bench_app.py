@@ -6,6 +6,10 @@ temporary directory, and the cache monitor shown and redrawing. Every run starts
 cleared), opens a new chat, types the prompt and sends it; the figures are taken in the GUI thread when each
 TokenEvent arrives there (what the user sees), beside the engine's own per-step forward times.
 
+After each app run, the same generation runs headless (the `cold` mode's engine, without L3) in this process
+while the window idles: `paired_cold` gives each app run's decode over its neighbour's, which a machine whose
+load moves between the bench's processes cannot blur as much.
+
 The chat honours stop tokens, so a run may decode fewer than `tokens - 1` steps; its tok/s counts the steps it
 decoded.
 """
@@ -19,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from larql_desktop.tools.bench import RunTiming, peak_rss_bytes, summarise, worker_main
+from larql_desktop.tools.bench import RunTiming, engine_for, greedy_run, peak_rss_bytes, summarise, worker_main
 
 REPLY_TIMEOUT_S = 600.0
 
@@ -96,6 +100,7 @@ def run_app_worker(spec: dict) -> dict:
             all_tokens: list[list[int]] = []
             process_first_token = None
             cpu_ms: dict[str, list[float]] = {"gui": [], "engine": [], "l3-writer": []}
+            paired: list[dict] = []
             for _ in range(runs):
                 client.submit(ClearCaches(client.next_request_id(), persistent=True))
                 wait_for(client.stats, "clear its caches")
@@ -135,10 +140,21 @@ def run_app_worker(spec: dict) -> dict:
                     if after is not None:
                         cpu_ms[name].append(1000 * (after - (cpu_before[name] or 0.0)) / len(events))
                 del finished
+                # The headless `cold` run beside it, in this process on the same loaded model while the window
+                # idles: on a machine whose load moves, a ratio of neighbours is what can be compared.
+                model = client.worker.model
+                engine = engine_for(model, "cold")
+                session = engine.new_session()
+                paired.append(greedy_run(model, session.kv, session.ffn, prompt, len(events)).to_dict())
+                engine.close_session(session)
             result = {"mode": "app", "load_seconds": info.load_seconds,
                       "load_from_process_start_s": loaded_at - spec["spawned_at"]}
             result.update(summarise(timings))
             result["engine_decode_tok_s"] = sorted(engine_decode)[len(engine_decode) // 2]
+            ratios = sorted(t.decode_steps / t.decode_seconds / p["decode_tok_s"] for t, p in zip(timings, paired))
+            result["paired_cold"] = {"decode_tok_s": [p["decode_tok_s"] for p in paired],
+                                     "app_over_cold_median": ratios[len(ratios) // 2],
+                                     "app_over_cold": ratios}
             result["cpu_ms_per_token"] = {name: sorted(v)[len(v) // 2] for name, v in cpu_ms.items() if v}
             result["ttft_process_s"] = process_first_token
             result["tokens"] = all_tokens[0]
