@@ -58,7 +58,7 @@ def cmd_chat(args) -> int:
           f"{snap.bypass_total} bypasses", file=sys.stderr)
     if args.explain_misses:
         from larql_desktop.engine.cache.near_miss import describe
-        from larql_desktop.engine.cache.walk import default_top_k
+        from larql_desktop.engine.cache.keys import default_top_k
 
         k = engine.walk_settings.top_k or default_top_k(model.config.intermediate)
         print(f"near misses: {describe(snap.near_miss, k / model.config.intermediate)}", file=sys.stderr)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.cache.collapse import capture, compare_layer, prompt_ids, resolve_sizes
-from larql_desktop.engine.cache.walk import default_top_k
+from larql_desktop.engine.cache.keys import default_top_k
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
 
 MODEL_KEYS = {"smollm2": "smollm2", "gemma3": "gemma3-270m"}

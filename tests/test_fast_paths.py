@@ -94,7 +94,7 @@ def test_corrupt_block_file_is_rebuilt(smollm2, app_paths):
 
 
 def _per_layer(model):
-    """The model's dense FFN without `claim_dense_pass`: forward then runs layer by layer."""
+    """The model's dense FFN as a plain callable (not a PassAwareFfn): forward then runs layer by layer."""
     return lambda layer, x: model.ffn.dense(layer, x)
 
 
@@ -121,23 +121,26 @@ def test_decoder_graph_equals_per_layer_graphs(request, fixture):
 def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     """Dense settings claim the pass and count a dense outcome per layer (untimed); the walk, and dense settings
     under an INSERT override, run layer by layer."""
-    from larql_desktop.engine.cache.walk import CacheStats, WalkFfn, WalkSettings
+    from larql_desktop.engine.cache.stats import CacheStats
+    from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
     from larql_desktop.engine.patches.overlay import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
 
     cfg = smollm2.config
     stats = CacheStats(cfg.n_layers)
     dense = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None, (stats,))
-    assert dense.claim_dense_pass(1)
+    assert dense.runs_plain_dense() and dense.runs_plain_dense()
+    assert stats.snapshot({}, {}).calls == 0       # asking records nothing
+    dense.record_dense_pass()
     snap = stats.snapshot({}, {})
     assert snap.latency["dense"].count == cfg.n_layers and snap.latency["dense"].mean_us == 0.0
     walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), None, None, (stats,))
-    assert not walk.claim_dense_pass(1)
+    assert not walk.runs_plain_dense()
     base = BaseFeatureWeights(smollm2.gguf)
     gate, up, down = base.vectors(3, 7)
     patch = Patch((PatchOperation("update", 3, 7, gate=gate * 2, up=up, down=down),), smollm2.name, smollm2.checksum)
     patched = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None,
                       (stats,), PatchOverlay.build([patch], base))
-    assert not patched.claim_dense_pass(1)
+    assert not patched.runs_plain_dense()
     # And the model honours the answer: a patched dense pass differs from the plain one at the patched layer.
     ids = smollm2.tokenizer.encode("Seven")
     plain = smollm2.transformer.forward(ids, KvCache(cfg), dense)
@@ -212,7 +215,9 @@ def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
     """The walk's layer graphs also give the FFN's gate scores: the same h, x and scores as the plain layer
     graph followed by the gate graph, and a walk generation through them (one call fewer per layer) produces
     the same logits and the same cache keys as one that computes the scores itself."""
-    from larql_desktop.engine.cache.walk import CacheStats, CacheTier, WalkFfn, WalkSettings
+    from larql_desktop.engine.cache.stats import CacheStats
+    from larql_desktop.engine.cache.tiers import CacheTier
+    from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 
     cfg, tr = smollm2.config, smollm2.transformer
     graphs = tr.graphs

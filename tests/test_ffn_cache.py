@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import (CacheEntry, CacheStats, CacheTier, HitRule, TierSettings, WalkFfn,
-                                            WalkSettings, default_top_k, feature_key, is_full_k, key_features,
-                                            select_features)
+from larql_desktop.engine.cache.keys import default_top_k, feature_key, is_full_k, key_features, select_features
+from larql_desktop.engine.cache.stats import CacheStats
+from larql_desktop.engine.cache.tiers import CacheEntry, CacheTier, HitRule, TierSettings
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 

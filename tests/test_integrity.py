@@ -26,8 +26,9 @@ import pytest
 
 from larql_desktop.api.server import INPUT_NORM_MARGIN, max_ffn_input_norm, start_server
 from larql_desktop.engine.cache.l3 import SqliteL3, _checksum, decode_entry, encode_entry, value_address
-from larql_desktop.engine.cache.walk import (DEFAULT_MAX_DISTANCE, CacheEntry, HitRule, TierSettings, WalkSettings,
-                                            feature_key, key_features, select_features)
+from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
+from larql_desktop.engine.cache.tiers import CacheEntry, DEFAULT_MAX_DISTANCE, HitRule, TierSettings
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.graphs.store import GraphStore, file_digest, make_model
@@ -230,7 +231,7 @@ def test_a_value_copied_to_another_key_does_not_verify():
 _OTHER_PROCESS = """
 import sys, numpy as np
 from larql_desktop.engine.cache.l3 import SqliteL3
-from larql_desktop.engine.cache.walk import CacheEntry
+from larql_desktop.engine.cache.tiers import CacheEntry
 NS = ('checksum', 100, 100, 'clean')
 def entry(k):
     return CacheEntry(np.full(256, k, np.float32), np.ones(256, np.float32))

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import CacheEntry, TierSettings, WalkSettings
+from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.cache.l3 import (FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry, default_l3_path,
                                      encode_entry, open_l3)
 from test_ffn_cache import run_sequence
@@ -201,7 +202,7 @@ def test_another_process_shares_the_entries(open_store, tmp_path):
     code = (
         "import sys, numpy as np\n"
         "from larql_desktop.engine.cache.l3 import open_l3\n"
-        "from larql_desktop.engine.cache.walk import CacheEntry\n"
+        "from larql_desktop.engine.cache.tiers import CacheEntry\n"
         "s = open_l3(sys.argv[1], None)\n"
         "e = CacheEntry(np.full(64, 0.5, np.float32), np.ones(64, np.float32))\n"
         "assert s.put(2, ('checksum', 100, 100, 'clean'), 42, e)\n"

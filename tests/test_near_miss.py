@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.cache.near_miss import NearMissCounts, feature_bits, nearest
-from larql_desktop.engine.cache.walk import CacheEntry, CacheTier, WalkSettings
+from larql_desktop.engine.cache.tiers import CacheEntry, CacheTier
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.generation import SamplingSettings
-from larql_desktop.engine.patches.overlay import CLEAN_EPOCH
 
 
 def _entry(rng, d, ids, F):
@@ -61,7 +61,7 @@ def test_off_by_default_costs_nothing(smollm2):
     session = engine.new_session()
     list(session.reply("Say hi.", SamplingSettings(max_tokens=4)))
     assert session.ffn.near_miss is None
-    entries = session.l1.entries_of(5, session.ffn.namespace(CLEAN_EPOCH))
+    entries = session.l1.entries_of(5, session.ffn.namespace())
     assert entries and all(e.features is None for e in entries)
     assert int(engine.session_snapshot(session).near_miss.sampled.sum()) == 0
     with pytest.raises(ValueError, match="near-miss fraction"):
@@ -93,7 +93,7 @@ def test_sampled_misses_on_a_real_session(name, request):
     assert nm.tau == 0.99 and nm.overlap_hist.shape == (n, 20)
     # Process-wide statistics see the same explanations; entries carry their bitsets.
     assert int(engine.snapshot().near_miss.sampled.sum()) == int(nm.sampled.sum())
-    entry = session.l1.entries_of(n - 1, session.ffn.namespace(CLEAN_EPOCH))[0]
+    entry = session.l1.entries_of(n - 1, session.ffn.namespace())[0]
     assert entry.features is not None and int(np.bitwise_count(entry.features).sum()) == session.ffn.settings.top_k
     assert "near_miss" in snap.to_dict()
     if not model.is_chat:

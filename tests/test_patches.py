@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import SCENARIOS_DIR
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import TierSettings, WalkSettings
+from larql_desktop.engine.cache.tiers import TierSettings
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import Patch, PatchError, PatchOperation, encode_vector
 from test_ffn_cache import run_sequence

@@ -12,7 +12,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtGui import QImage  # noqa: E402
 
 from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES  # noqa: E402
-from larql_desktop.engine.cache.walk import default_top_k  # noqa: E402
+from larql_desktop.engine.cache.keys import default_top_k  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 from test_qt_panels import wait_for_stats  # noqa: E402
 

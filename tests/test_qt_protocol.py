@@ -110,8 +110,7 @@ def test_cache_counts_wording():
 def _snapshot(n, l1=(0, 0), l2=(0, 0), calls=0, recent=(), patched=0):
     import numpy as np
 
-    from larql_desktop.engine.cache.walk import (BYPASS_REASONS, OUTCOMES, TIERS, FidelitySummary, LatencySummary,
-                                                StatsSnapshot, TierSnapshot)
+    from larql_desktop.engine.cache.stats import BYPASS_REASONS, FidelitySummary, LatencySummary, OUTCOMES, StatsSnapshot, TIERS, TierSnapshot
 
     def tier(name, hm):
         z = np.zeros(n, np.int64)
@@ -120,9 +119,11 @@ def _snapshot(n, l1=(0, 0), l2=(0, 0), calls=0, recent=(), patched=0):
     counts = {"L1": l1, "L2": l2}
     bypasses = {r: np.zeros(n, np.int64) for r in BYPASS_REASONS}
     bypasses["patched"][1] = patched
+    # Lookups that missed both tiers: L2's misses, plus L1 misses L2 never saw (L2 off for them).
+    full = np.full(n, l2[1] + max(l1[1] - l2[0] - l2[1], 0), np.int64)
     return StatsSnapshot(calls, calls, {t: tier(t, counts.get(t, (0, 0))) for t in TIERS}, bypasses,
                          {o: LatencySummary(0, 0, 0, 0) for o in OUTCOMES},
-                         FidelitySummary(0, float("nan"), float("nan"), 0.0, 0.0), tuple(recent))
+                         FidelitySummary(0, float("nan"), float("nan"), 0.0, 0.0), tuple(recent), full)
 
 
 def _event(snapshot, engine_id=1, t=0.0, patched=()):
@@ -135,7 +136,7 @@ def _event(snapshot, engine_id=1, t=0.0, patched=()):
 def test_monitor_model_turns_snapshots_into_interval_rates_and_latencies():
     import numpy as np
 
-    from larql_desktop.qt.cache_monitor_model import MonitorModel, cache_counts, final_misses
+    from larql_desktop.qt.cache_monitor_model import MonitorModel, cache_counts
 
     model = MonitorModel(capacity=4)
     model.ingest(_event(_snapshot(3, l1=(0, 2), l2=(0, 2), calls=6, recent=((1.0, 0, "miss", 0.001),)), t=10.0))
@@ -154,7 +155,6 @@ def test_monitor_model_turns_snapshots_into_interval_rates_and_latencies():
     model.ingest(_event(_snapshot(3, calls=1), engine_id=2, t=50.0))   # a new model: fresh histories
     assert len(model.hit_rate) == 1 and model.hit_rate.t[0] == 0.0
     snap = _snapshot(3, l1=(1, 4), l2=(3, 1))
-    assert final_misses(snap).tolist() == [1, 1, 1]
     counts = cache_counts(_snapshot(3, l1=(0, 2)), snap)
     assert counts.tier("L1") == (3, 6) and counts.tier("L2") == (9, 3)
 
@@ -178,7 +178,7 @@ def test_stats_exports_are_valid_json_and_one_csv_row_per_layer():
 def test_exact_full_misses_per_layer_feed_the_monitor_bars():
     import dataclasses
 
-    from larql_desktop.engine.cache.walk import CacheStats
+    from larql_desktop.engine.cache.stats import CacheStats
     from larql_desktop.qt.cache_monitor_model import MonitorModel
 
     stats = CacheStats(3)
@@ -194,4 +194,3 @@ def test_exact_full_misses_per_layer_feed_the_monitor_bars():
     assert model.per_layer()["misses"].tolist() == [1, 0, 1]
     stats.reset()
     assert stats.snapshot({}, {}).full_misses.tolist() == [0, 0, 0]
-    assert _snapshot(3).full_misses is None   # producers without the field still build snapshots

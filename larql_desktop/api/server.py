@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from larql_desktop.api import openai_compat
 from larql_desktop.api.connections import ConnectionLimits, ConnectionRegistry, guarded_protocol
 from larql_desktop.engine import services
-from larql_desktop.engine.cache.walk import is_full_k
+from larql_desktop.engine.cache.keys import is_full_k
 from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied, UnknownPatch
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchError

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from larql_desktop.engine.cache.walk import StatsSnapshot
+from larql_desktop.engine.cache.stats import StatsSnapshot
 from larql_desktop.engine.model.generation import SamplingSettings
 
 # Why a completion ended, in the OpenAI API's words.

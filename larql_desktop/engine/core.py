@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from larql_desktop.engine.cache.l3 import L3Settings, L3Store
-from larql_desktop.engine.cache.walk import (CacheStats, CacheTier, PersistentTierView, StatsSnapshot, TierSettings,
-                                             WalkFfn, WalkSettings)
+from larql_desktop.engine.cache.stats import CacheStats, StatsSnapshot
+from larql_desktop.engine.cache.tiers import CacheTier, PersistentTierView, TierSettings
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.chat import ChatSession
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress

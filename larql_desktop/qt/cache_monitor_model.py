@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from larql_desktop.engine.cache.walk import BYPASS_REASONS, OUTCOMES, TIERS, StatsSnapshot
+from larql_desktop.engine.cache.stats import BYPASS_REASONS, OUTCOMES, StatsSnapshot, TIERS
 from larql_desktop.qt.protocol import CacheStatsEvent
 # cache_counts is the engine's (the HTTP API counts per request with it too); imported from here by the worker.
 from larql_desktop.engine.completions import cache_counts  # noqa: F401
@@ -19,20 +19,6 @@ from larql_desktop.engine.completions import cache_counts  # noqa: F401
 
 def _total(a: np.ndarray) -> int:
     return int(np.asarray(a).sum())
-
-
-def final_misses(snapshot: StatsSnapshot) -> np.ndarray:
-    """Per layer, decode lookups that missed every enabled tier, inferred from per-tier counts (for snapshots
-    without `full_misses`).
-
-    A lookup tries the tiers in order (L1, L2, …) and goes on only after a miss, so a tier's misses that the
-    next tier did not see (hits + misses) ended there, and the last tier's misses all did. With a tier
-    disabled its counts stay zero and the rule still holds (history under other settings is approximated)."""
-    tiers = list(snapshot.tiers.values())
-    out = tiers[-1].misses.copy()
-    for upper, lower in zip(tiers, tiers[1:]):
-        out += np.clip(upper.misses - lower.hits - lower.misses, 0, None)
-    return out
 
 
 class History:
@@ -139,7 +125,7 @@ class MonitorModel:
         if self.latest is None:
             return {}
         snap = self.latest.process
-        misses = snap.full_misses if snap.full_misses is not None else final_misses(snap)
+        misses = snap.full_misses
         out = {"misses": misses, "bypasses": sum(snap.bypasses.values())}
         for name, tier in snap.tiers.items():
             out[f"{name} hits"] = tier.hits
@@ -159,7 +145,7 @@ class MonitorModel:
 def near_miss_arrays(snap: StatsSnapshot) -> dict[str, np.ndarray]:
     nm = snap.near_miss
     hits = sum(t.hits for t in snap.tiers.values())
-    misses = snap.full_misses if snap.full_misses is not None else final_misses(snap)
+    misses = snap.full_misses
     looked = hits + misses
     with np.errstate(invalid="ignore", divide="ignore"):
         hit_rate = np.where(looked > 0, hits / np.maximum(looked, 1), np.nan)

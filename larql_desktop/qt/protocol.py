@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from larql_desktop.engine.cache.walk import StatsSnapshot
+from larql_desktop.engine.cache.stats import StatsSnapshot
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
 from larql_desktop.engine.model.outcomes import LayerOutcome

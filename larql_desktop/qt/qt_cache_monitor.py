@@ -16,7 +16,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES, describe as describe_near_misses
-from larql_desktop.engine.cache.walk import OUTCOMES, POLICIES, TIERS, TierSettings, WalkSettings, default_top_k
+from larql_desktop.engine.cache.keys import default_top_k
+from larql_desktop.engine.cache.stats import OUTCOMES, TIERS
+from larql_desktop.engine.cache.tiers import POLICIES, TierSettings
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.cache.l3 import L3Settings
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
 from larql_desktop.engine.core import CacheSettings

@@ -125,7 +125,8 @@ def summarise(runs: list[RunTiming]) -> dict:
 def engine_for(model, mode: str):
     """The engine a mode runs (dense, layered, sparse: every tier off; cold, warm: the walk with L1 and L2)."""
     from larql_desktop.engine.core import LarqlEngine
-    from larql_desktop.engine.cache.walk import TierSettings, WalkSettings
+    from larql_desktop.engine.cache.tiers import TierSettings
+    from larql_desktop.engine.cache.walk import WalkSettings
 
     off = TierSettings(enabled=False)
     kwargs = {}

@@ -11,8 +11,9 @@ from typing import Callable
 import numpy as np
 
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.cache.walk import (GUARD_NORM_TOLERANCE, CacheStats, CacheTier, FidelitySummary, TierSettings,
-                                             WalkFfn, WalkSettings)
+from larql_desktop.engine.cache.stats import CacheStats, FidelitySummary
+from larql_desktop.engine.cache.tiers import CacheTier, GUARD_NORM_TOLERANCE, TierSettings
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.model.chat import ChatSession

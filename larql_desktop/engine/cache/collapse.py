@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from larql_desktop.engine.cache.walk import cosine, default_top_k, feature_key, key_features, select_features
+from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, select_features
+from larql_desktop.engine.cache.tiers import cosine
 from larql_desktop.engine.model.transformer import KvCache
 
 # Shares of the intermediate size the K sweep visits (besides the seed's default K and the report's), and the key

@@ -4,8 +4,8 @@ Two backends share one contract: `SqliteL3` (embedded, the default: a WAL databa
 `RedisL3` (the optional `redis` extra: several processes, or machines, share one store).
 
 Keys survive restarts because they carry everything an output depends on: the walk's namespace (model checksum,
-K, key width and the layer's patch epoch, a content hash of its overrides), the layer, the 64-bit feature key
-(blake2b, stable across processes), and the numerics that computed the value (this format's version and the
+K, key width and the graphs' digest; no patch state, since outputs an override touches are never cached), the
+layer, the 64-bit feature key (blake2b, stable across processes), and the numerics that computed the value (this format's version and the
 onnxruntime version). A value is the raw FFN output and the input it was computed from, as fp32 or, optionally,
 fp16 (half the bytes; its error is measured in tests/test_l3.py), behind a header with an xxh3 checksum of the
 value and of the address it was written to: flipped bytes, a truncated write or a value moved to another key
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from larql_desktop.engine.cache.walk import CacheEntry
+from larql_desktop.engine.cache.tiers import CacheEntry
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def nearest(layer: int, x: np.ndarray, out: np.ndarray, bits: np.ndarray, top_k:
     `served` applies the cache's own cosine guard (walk.HitRule "cosine"): cos >= tau with the norms within
     GUARD_NORM_TOLERANCE, over every entry (as if the key had put them all in one bucket)."""
     # walk.py imports this module: its guard's constant is read at call time.
-    from larql_desktop.engine.cache.walk import GUARD_NORM_TOLERANCE
+    from larql_desktop.engine.cache.tiers import GUARD_NORM_TOLERANCE
 
     if not entries:
         return None

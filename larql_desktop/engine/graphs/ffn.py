@@ -20,6 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.model.transformer import PassAwareFfn
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
 from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
@@ -122,7 +123,7 @@ def build_dense_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Mode
 BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_dense_graph}
 
 
-class OnnxFfn:
+class OnnxFfn(PassAwareFfn):
     """The exported gate, walk and dense graphs of every layer, in onnxruntime sessions made on first use.
 
     All files are checked (and exported again if missing or changed) at load; a layer's sessions are created on
@@ -200,6 +201,6 @@ class OnnxFfn:
 
     __call__ = dense
 
-    def claim_dense_pass(self, positions: int) -> bool:
+    def runs_plain_dense(self) -> bool:
         """The plain dense FFN everywhere: the model may run whole passes in its decoder graph."""
         return True

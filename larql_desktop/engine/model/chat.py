@@ -6,7 +6,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from larql_desktop.engine.cache.walk import CacheStats, CacheTier
+from larql_desktop.engine.cache.stats import CacheStats
+from larql_desktop.engine.cache.tiers import CacheTier
 from larql_desktop.engine.completions import StopStrings
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder

@@ -54,6 +54,9 @@ class OutcomeRecorder:
     def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None:
         pass   # fidelity checks are not per-token outcomes
 
+    def record_near_miss(self, layer: int, found) -> None:
+        pass   # near-miss explanations go to the statistics, not to a token's outcomes
+
     def attach(self, ffn) -> None:
         """Add this recorder to a WalkFfn's stats (again after the engine rebuilt the session's walk)."""
         stats = getattr(ffn, "stats", None)

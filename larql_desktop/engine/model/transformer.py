@@ -7,7 +7,8 @@ dequantised GGUF weights (the reference the graphs are tested against; weights d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -21,16 +22,31 @@ class FfnCall(Protocol):
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
 
-    # Optional: `claim_dense_pass(positions) -> bool`. An FFN that would compute the plain dense FFN at every
-    # layer of this pass answers True (and accounts for the pass itself); the model then runs all layers in
-    # its whole-model decoder graph instead of calling the FFN per layer.
-    # Optional: `takes_gate_scores` (True) and `call_with_scores(layer, x, scores)`: an FFN that starts from
-    # the gate scores x @ W_gate.T (the walk) gets them from the layer graph's own call.
 
+class PassAwareFfn(ABC):
+    """An FFN that takes part in planning the forward pass (the walk, and the plain dense graphs).
 
-def claims_dense_pass(ffn: FfnCall, positions: int) -> bool:
-    claim = getattr(ffn, "claim_dense_pass", None)
-    return claim is not None and bool(claim(positions))
+    Before a pass the model asks `runs_plain_dense()`: an FFN that would compute the plain dense FFN at every layer
+    answers True, and the model then runs all layers in its whole-model decoder graph and tells it so with
+    `record_dense_pass()` (the question has no side effect; the accounting is its own call). An FFN that starts from
+    the gate scores x @ W_gate.T says so with `takes_gate_scores`, and gets them from the layer graph's own call
+    through `call_with_scores`. Plain callables (tests, recorders) are FfnCalls without any of this."""
+
+    @abstractmethod
+    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+
+    @property
+    def takes_gate_scores(self) -> bool:
+        return False
+
+    def call_with_scores(self, layer: int, x: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
+        return self(layer, x)
+
+    def runs_plain_dense(self) -> bool:
+        return False
+
+    def record_dense_pass(self) -> None:
+        """Called once for each pass the model ran in the decoder graph after `runs_plain_dense()` said yes."""
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -237,7 +253,8 @@ class TransformerModel:
         start = kv.length
         kv.reserve(start + ids.size)
         h = self.embed(ids)
-        if self.decoder is not None and not all_logits and claims_dense_pass(ffn, ids.size):
+        if self.decoder is not None and not all_logits and isinstance(ffn, PassAwareFfn) and ffn.runs_plain_dense():
+            ffn.record_dense_pass()
             logits = self.decoder.run(h, start, kv, self.rope)
             kv.length = start + ids.size
             return logits
@@ -261,7 +278,7 @@ class TransformerModel:
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
         f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
-        with_scores = graphs.has_gate_scores and bool(getattr(ffn, "takes_gate_scores", False))
+        with_scores = graphs.has_gate_scores and isinstance(ffn, PassAwareFfn) and ffn.takes_gate_scores
         for i in range(cfg.n_layers):
             cos, sin = bases[cfg.rope_base_for(i)]
             if with_scores:

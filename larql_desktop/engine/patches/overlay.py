@@ -2,8 +2,9 @@
 
 The base weights are never modified. A patch is an immutable list of operations; the overlay is rebuilt by
 folding the applied patches in order, so removing a patch restores exactly the previous overlay (and outputs).
-Each layer's epoch is a content hash of that layer's overrides: cache entries are keyed with it, so an entry
-is only served under the very weights it was computed with, even across restarts.
+Each layer's epoch is a content hash of that layer's overrides, and the overlay's epoch one of all of them: the
+HTTP API reports it so clients can tell patch states apart. Cache keys need none: the walk never looks up a
+feature set an override touches (engine/cache/walk.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,248 @@
+"""The cache tiers: L1 (one per session) and L2 (one per process) in memory, and the persistent L3 seen as a tier.
+
+A tier maps (namespace, feature key) to a small bucket of entries per layer; `lru` eviction and a byte budget
+besides the seed's `drop` policy; overwriting a key is never dropped. An entry is served only when `HitRule` says
+the input that made it is (nearly) the request's own: the seed's key alone lets a request for 3x store its output
+where the next request for x finds it."""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("drop", "lru")
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    enabled: bool = True
+    capacity: int = 4096             # keys per layer
+    policy: str = "drop"             # the seed drops new entries when full; "lru" evicts the least recent
+    byte_budget: int | None = None   # optional cap on the tier's total bytes
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if not 1 <= self.capacity <= 10_000_000:
+            raise ValueError(f"capacity must be between 1 and 10000000 entries per layer, not {self.capacity}")
+        if self.byte_budget is not None and self.byte_budget < 1:
+            raise ValueError(f"byte budget must be positive, not {self.byte_budget}")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    output: np.ndarray      # (d,) raw FFN output, read-only
+    residual: np.ndarray    # (d,) the normed FFN input it was computed from, read-only
+    features: np.ndarray | None = None   # packed bitset of the selected features (near-miss explanation on)
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.nbytes + self.residual.nbytes + (0 if self.features is None else self.features.nbytes)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.float32, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b) / (float(np.linalg.norm(a)) * float(np.linalg.norm(b)) + 1e-30)
+
+
+# The default bound on |x - x0| / |x| for serving an entry stored for x0 to the input x. Measured (tests in
+# tests/test_integrity.py, on the real FFN inputs of three prompts at every layer): every exact-repeat hit so far
+# (regenerate, the restart from an fp32 L3, the Qt panels' repeats) is at distance 0.0 exactly, as the same
+# tokens give bit-identical residuals; an fp16 L3 stores x0 rounded to half precision, at up to 3.7e-4 (SmolLM2)
+# and 3.6e-4 (Gemma 3), and its hits must still hit. A residual scaled by 3 is at 0.67, by 1e20 at 1.0, and the
+# closest distinct residuals sharing a feature key (key width 1: 1,638 and 1,488 such pairs) are at 9.8e-3
+# (SmolLM2) and 8.6e-2 (Gemma 3). So 1e-3 keeps every exact and half-precision repeat (2.7x margin), refuses
+# every scaled or foreign input (10x margin or more), and what a hit may differ from a fresh computation is of
+# the size of fp16 storage rounding.
+DEFAULT_MAX_DISTANCE = 1e-3
+# The cosine guard is an angle test: alone it accepts 3x or 1e20x the input. The guard also needs the norms
+# within 5% of each other (an FFN output grows about with the square of its input's scale, so ~10% at most).
+GUARD_NORM_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class HitRule:
+    """When an entry stored for the input x0 may serve the input x (both (d,) float32).
+
+    Default (`near`): |x - x0| <= max_distance * |x|. `cosine`: the user's approximate option, cos(x, x0) >= tau
+    with the norms within GUARD_NORM_TOLERANCE. `feature_set`: the seed's semantics, any entry under the key
+    (for study only: unsafe with untrusted clients, who can then choose what others are served).
+    A non-finite x or x0 never passes `near` or `cosine`."""
+    mode: str = "near"
+    max_distance: float = DEFAULT_MAX_DISTANCE
+    tau: float | None = None
+
+    def closeness(self, x: np.ndarray, x0: np.ndarray) -> float | None:
+        """None when x0's entry may not serve x; else a score, higher for a closer x0 (picks within a bucket)."""
+        if self.mode == "feature_set":
+            return 0.0
+        if self.mode == "cosine":
+            nx, n0 = float(np.linalg.norm(x)), float(np.linalg.norm(x0))
+            if not (n0 > 0.0 and abs(nx / n0 - 1.0) <= GUARD_NORM_TOLERANCE):
+                return None
+            cos = float(x @ x0) / (nx * n0)
+            return cos if cos >= self.tau else None
+        diff = x - x0
+        distance_sq, norm_sq = float(diff @ diff), float(x @ x)
+        # Compared squared: no square root on the hit path. NaN compares False, and a norm beyond float32
+        # (inf <= inf would pass) is refused, so a non-finite or overflowing input misses.
+        if distance_sq <= self.max_distance * self.max_distance * norm_sq and norm_sq < math.inf:
+            return -distance_sq
+        return None
+
+
+class CacheTier:
+    """One cache tier: per-layer maps from (namespace, feature key) to a small bucket of entries.
+
+    Thread-safe: the L2 tier is shared by every session and thread of the process.
+    """
+
+    def __init__(self, name: str, n_layers: int, settings: TierSettings = TierSettings()):
+        self.name = name
+        self.n_layers = n_layers
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._layers: list[OrderedDict] = [OrderedDict() for _ in range(n_layers)]
+        self._bytes = np.zeros(n_layers, np.int64)
+        self._entries = np.zeros(n_layers, np.int64)
+        self._evictions = np.zeros(n_layers, np.int64)
+        self._dropped = np.zeros(n_layers, np.int64)
+
+    def configure(self, settings: TierSettings) -> None:
+        with self._lock:
+            self.settings = settings
+            for layer in range(self.n_layers):
+                self._shrink(layer, settings.capacity)
+
+    def clear(self) -> None:
+        with self._lock:
+            for layer in range(self.n_layers):
+                self._layers[layer].clear()
+            self._bytes[:] = 0
+            self._entries[:] = 0
+
+    def _valid_layer(self, layer: int) -> bool:
+        return 0 <= layer < self.n_layers
+
+    def lookup(self, layer: int, key, x: np.ndarray | None, rule: HitRule | None) -> CacheEntry | None:
+        """The bucket's entry under `key` that `rule` lets serve x, the closest if several do; rule None: the
+        newest entry under the key, whatever its input (for callers that check the input themselves)."""
+        if not self._valid_layer(layer):
+            return None
+        with self._lock:
+            bucket = self._layers[layer].get(key)
+            if bucket is None:
+                return None
+            if rule is None:
+                best = bucket[-1]
+            else:
+                best, best_score = None, None
+                for entry in reversed(bucket):        # newest first: ties go to the newest
+                    score = rule.closeness(x, entry.residual)
+                    if score is not None and (best_score is None or score > best_score):
+                        best, best_score = entry, score
+            if best is not None and self.settings.policy == "lru":
+                self._layers[layer].move_to_end(key)
+            return best
+
+    def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
+        """Insert; returns False when the tier dropped it (full under the drop policy)."""
+        if not self._valid_layer(layer):
+            return False
+        s = self.settings
+        with self._lock:
+            entries = self._layers[layer]
+            bucket = entries.get(key)
+            if bucket is None:
+                if len(entries) >= s.capacity:
+                    if s.policy == "drop":
+                        self._dropped[layer] += 1
+                        return False
+                    self._evict_oldest(layer)
+                bucket = entries[key] = []
+            elif s.policy == "lru":
+                entries.move_to_end(key)
+            # An existing key is always updated (never dropped); buckets keep the newest entries.
+            bucket.append(entry)
+            self._bytes[layer] += entry.nbytes
+            self._entries[layer] += 1
+            while len(bucket) > max(1, bucket_size):
+                old = bucket.pop(0)
+                self._bytes[layer] -= old.nbytes
+                self._entries[layer] -= 1
+            if s.byte_budget is not None:
+                self._enforce_budget(layer, key)
+            return key in entries
+
+    def _evict_oldest(self, layer: int) -> None:
+        _, bucket = self._layers[layer].popitem(last=False)
+        self._bytes[layer] -= sum(e.nbytes for e in bucket)
+        self._entries[layer] -= len(bucket)
+        self._evictions[layer] += 1
+
+    def _shrink(self, layer: int, capacity: int) -> None:
+        while len(self._layers[layer]) > capacity:
+            self._evict_oldest(layer)
+
+    def _enforce_budget(self, layer: int, newest_key) -> None:
+        budget = self.settings.byte_budget
+        while int(self._bytes.sum()) > budget:
+            if self.settings.policy == "drop":
+                # Under drop, the newest entry is the one that does not fit.
+                bucket = self._layers[layer][newest_key]
+                old = bucket.pop()
+                self._bytes[layer] -= old.nbytes
+                self._entries[layer] -= 1
+                if not bucket:
+                    del self._layers[layer][newest_key]
+                self._dropped[layer] += 1
+                return
+            victim_layer = layer if len(self._layers[layer]) > 1 else int(np.argmax(self._bytes))
+            self._evict_oldest(victim_layer)
+
+    def entries_of(self, layer: int, namespace) -> list[CacheEntry]:
+        """Every entry of `layer` under `namespace` (near-miss explanation: the candidates a miss is compared with)."""
+        if not self._valid_layer(layer):
+            return []
+        with self._lock:
+            return [e for key, bucket in self._layers[layer].items() if key[0] == namespace for e in bucket]
+
+    def occupancy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, entries, bytes, evictions, dropped) per layer, copied."""
+        with self._lock:
+            keys = np.array([len(d) for d in self._layers], np.int64)
+            return keys, self._entries.copy(), self._bytes.copy(), self._evictions.copy(), self._dropped.copy()
+
+
+class PersistentTierView:
+    """The persistent store (L3) seen as a tier of one model: the last link of the lookup chain (one entry per
+    key, so the cosine guard checks it like a bucket of one) and its occupancy for the statistics."""
+
+    def __init__(self, store, n_layers: int):
+        self._store = store
+        self.name = store.name
+        self.n_layers = n_layers
+
+    @property
+    def enabled(self) -> bool:
+        return self._store.settings.enabled
+
+    def occupancy(self):
+        return self._store.occupancy(self.n_layers)
+
+    def lookup(self, layer: int, key, x: np.ndarray, rule: HitRule | None) -> CacheEntry | None:
+        entry = self._store.get(layer, key[0], key[1])
+        if entry is not None and rule is not None and rule.closeness(x, entry.residual) is None:
+            return None
+        return entry
+
+    def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
+        return self._store.put(layer, key[0], key[1], entry)
