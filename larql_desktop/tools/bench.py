@@ -122,7 +122,7 @@ def summarise(runs: list[RunTiming]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ workers
-def engine_for(model, mode: str):
+def engine_for(model, mode: str, l3=None):
     """The engine a mode runs (dense, layered, sparse: every tier off; cold, warm: the walk with L1 and L2)."""
     from larql_desktop.engine.core import LarqlEngine
     from larql_desktop.engine.cache.tiers import TierSettings
@@ -138,8 +138,9 @@ def engine_for(model, mode: str):
         walk = WalkSettings()
     if mode in ("dense", "layered", "sparse"):
         kwargs.update(l1=off, l2=off)
-    # No persistent tier (the engine has none unless given one): it would make a "cold" run warm.
-    return LarqlEngine(model, walk=walk, **kwargs)
+    # No persistent tier unless given one (the app mode's pairing gives an empty one): it would make a "cold"
+    # run warm.
+    return LarqlEngine(model, walk=walk, l3=l3, **kwargs)
 
 
 def _cache_figures(engine, session) -> dict:
@@ -448,6 +449,10 @@ def format_report(doc: dict) -> list[str]:
         lines.append(f"app vs headless cold, each app run beside one in its process: "
                      f"{paired['app_over_cold_median']:.2f}x median "
                      f"({', '.join(f'{r:.2f}' for r in paired['app_over_cold'])})")
+        if paired.get("app_over_cold_l3"):
+            lines.append(f"app vs headless cold with the same (emptied) SQLite L3: "
+                         f"{paired['app_over_cold_l3_median']:.2f}x median "
+                         f"({', '.join(f'{r:.2f}' for r in paired['app_over_cold_l3'])})")
     if LLAMA_MODE in doc["modes"]:
         lines.append("ratios vs llama.cpp (decode/prefill: higher is faster; TTFT/RSS: lower is better)")
         lines.append(f"{'mode':10s} {'decode':>7s} {'prefill':>8s} {'TTFT sub':>8s} {'TTFT st':>8s} "

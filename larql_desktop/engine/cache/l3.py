@@ -258,7 +258,7 @@ class SqliteL3(L3Store):
     backend = "sqlite"
     QUEUE_LIMIT = 4096      # values waiting to be written; beyond it a write is dropped (never waited for)
     BATCH = 512             # values per write transaction
-    LINGER = 0.02           # seconds the writer waits after waking so one transaction takes a token's writes
+    LINGER = 0.1            # seconds the writer waits after waking, so one transaction takes a few tokens' writes
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
