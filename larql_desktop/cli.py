@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all.add_argument("--tokens", type=int, default=64, help="tokens generated per run (default 64)")
     bench_all.add_argument("--prompt", default=None, help="prompt (default: a two-sentence question)")
     bench_all.add_argument("--runs", type=int, default=5, help="runs per configuration; medians are reported")
-    bench_all.add_argument("--modes", default=None, help="comma-separated subset of dense,layered,sparse,cold,warm")
+    bench_all.add_argument("--modes", default=None, help="comma-separated subset of dense,layered,sparse,cold,warm,app")
     bench_all.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp even if it is installed")
     bench_all.add_argument("--json", default=None, help="also write the figures to this JSON file")
     bench_all.set_defaults(func=cmd_bench)

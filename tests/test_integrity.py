@@ -263,6 +263,7 @@ def test_two_processes_rebuild_a_corrupt_store_once_and_go_on_sharing(tmp_path):
         assert here.errors == {"corrupt": 1}
         for k in range(1000, 1100):
             assert here.put(0, NS, k, _entry(k, d=256))
+        assert here.flush(30)                       # written behind: in the file before the other one looks
         other.stdin.write("go\n")
         other.stdin.flush()
         assert other.stdout.readline().strip() == "100"          # it reads this process's entries...

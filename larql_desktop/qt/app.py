@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 LOG_FILE = "larql-desktop.log"
 SETTINGS_FILE = "larql-desktop.ini"
+GIL_SWITCH_INTERVAL = 0.0005   # seconds (Python's default: 0.005)
 APPLIED_PATCHES_DIR = "patches"   # under AppPaths.data: each model's applied patches, restored on launch
 
 
@@ -69,6 +70,18 @@ def open_persistent_cache(paths: AppPaths, spec: str = "sqlite") -> tuple[L3Stor
     return store, None
 
 
+def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, threads: int, l3: L3Store | None,
+                      serve=None, applied: AppliedPatchStore | None = None) -> tuple[EngineClient, MainWindow]:
+    """The engine client and the window as the app wires them (run_app, and `bench`'s app mode)."""
+    # The engine thread gives up the GIL for every onnxruntime call (a few per layer) and needs it back after
+    # each; at Python's default 5 ms switch interval a redraw in the GUI thread made it wait up to that long
+    # each time. A shorter interval hands the GIL back sooner.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    client = EngineClient(paths, threads=threads, l3=l3, serve=serve,
+                          applied=applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
+    return client, MainWindow(client, settings, app)
+
+
 def _log_uncaught(exc_type, exc, tb) -> None:
     # PySide prints exceptions raised in slots and carries on; keep them in the log file too.
     log.error("uncaught exception", exc_info=(exc_type, exc, tb))
@@ -86,9 +99,7 @@ def run_app(args, serve=None) -> int:
     app.setWindowIcon(app_icon())
     settings = open_settings(paths)
     l3, warning = open_persistent_cache(paths)
-    client = EngineClient(paths, threads=args.threads, l3=l3, serve=serve,
-                          applied=AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
-    window = MainWindow(client, settings, app)
+    client, window = build_main_window(app, paths, settings, args.threads, l3, serve)
     window.show()
     if warning:
         window.show_warning(warning)

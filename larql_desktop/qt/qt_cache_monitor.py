@@ -5,6 +5,7 @@ Stats events only update the MonitorModel; a QTimer copies the model into plot i
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,10 @@ from larql_desktop.qt.qt_frontier import FrontierView
 from larql_desktop.qt.worker import EngineClient
 
 REFRESH_HZ = 20
+# While a reply streams the charts redraw at this rate: a redraw of the six plots (their axes above all) takes the
+# GUI thread tens of ms of Python, which at 20 Hz held the GIL and a core against the decode (the app decoded at
+# ~40% of the headless speed; at 1 Hz still ~0.85x).
+STREAMING_REFRESH_HZ = 0.5
 # L1 (per chat), L2 (per process) and the persistent L3 (when the app has a store: on by default).
 CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2", "L3"))
 TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
@@ -90,6 +95,7 @@ class CacheMonitor(QWidget):
         self.client = client
         self.model = MonitorModel()
         self._drawn = -1
+        self._refreshed_at = 0.0
         self._last_dir = str(Path.home())
         self._build_charts()
         self._build_controls()
@@ -134,8 +140,11 @@ class CacheMonitor(QWidget):
 
     def _set_title(self, plot: pg.PlotItem, title: str) -> None:
         plot._title = title
-        plot.setTitle(f"<span style='color:{self._text_colour}'>{title}</span><br>"
-                      f"<span style='font-size:7.5pt'>{plot._keys}</span>", size="10pt")
+        html = (f"<span style='color:{self._text_colour}'>{title}</span><br>"
+                f"<span style='font-size:7.5pt'>{plot._keys}</span>")
+        if getattr(plot, "_title_html", None) != html:   # a new title re-lays out (and repaints) every plot
+            plot._title_html = html
+            plot.setTitle(html, size="10pt")
 
     def _line(self, plot: pg.PlotItem, name: str, colour: str, width: float = 2) -> pg.PlotDataItem:
         # Small dots as well as lines: an interval with data between two without shows as a point.
@@ -160,7 +169,10 @@ class CacheMonitor(QWidget):
         base = np.zeros_like(x)
         for name, bars in stack.items():
             h = np.asarray(heights[name], dtype=float)
-            bars.setOpts(x=x, y0=base.copy(), height=h)
+            shown = getattr(bars, "_shown", None)   # (x, y0, height) last drawn: only what changed is repainted
+            if shown is None or not all(np.array_equal(a, b) for a, b in zip(shown, (x, base, h))):
+                bars.setOpts(x=x, y0=base.copy(), height=h)
+                bars._shown = (x.copy(), base.copy(), h.copy())
             base = base + h
         top = max(float(base.max(initial=0.0)), 1.0)
         plot.setYRange(0, top * 1.08, padding=0)
@@ -548,8 +560,13 @@ class CacheMonitor(QWidget):
 
     @Slot()
     def _on_timer(self) -> None:
-        if self.isVisible():
-            self.refresh()
+        if not self.isVisible():
+            return
+        now = time.monotonic()
+        if self.client.generating_session is not None and now - self._refreshed_at < 1 / STREAMING_REFRESH_HZ:
+            return
+        self._refreshed_at = now
+        self.refresh()
 
     def set_dark(self, dark: bool) -> None:
         self.charts.setBackground("#1e1e1e" if dark else "#ffffff")
@@ -580,7 +597,7 @@ class CacheMonitor(QWidget):
                 y = history.column(name)
                 if np.isfinite(y).any():
                     line.setData(history.t, y)
-                else:
+                elif line.xData is not None and len(line.xData):
                     line.setData([], [])   # an all-NaN series makes pyqtgraph warn about its bounds
         lowest = m.fidelity.column("min_cosine")
         lowest = float(np.nanmin(lowest)) if np.isfinite(lowest).any() else 1.0
@@ -643,7 +660,9 @@ class CacheMonitor(QWidget):
 
     def _update_titles(self, event: CacheStatsEvent) -> None:
         # The byte totals go in the summary: in the chart's title they were cut at the default window size.
-        self.summary.setText(summary_text(event))
+        text = summary_text(event)
+        if text != self.summary.text():   # an unchanged text is not set again (it would re-lay out the panel)
+            self.summary.setText(text)
         if event.l3_status is not None:
             self._show_l3_status(event.l3_status)
 

@@ -5,7 +5,7 @@ appended as it comes. The view's context menu copies a reply (as shown or as its
 its tokens in the token view."""
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, QPoint, Qt, Signal
+from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QFont, QFontDatabase, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QMenu, QPlainTextEdit, QSplitter, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
@@ -14,6 +14,9 @@ from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
+# Streamed text reaches the view at most this often: a layout and repaint per token took the GUI thread's share of
+# the GIL and of the cores from the decode (the transcript itself takes each token at once).
+APPEND_INTERVAL_MS = 50
 
 
 def markdown_as_plain_text(markdown: str) -> str:
@@ -36,6 +39,11 @@ class ChatTab(QWidget):
         self.system_prompt = system_prompt   # None: the model's template default
         self.reply_writer = None             # the chats store's StreamingReply while a reply streams
         self.transcript = Transcript()
+        self._unshown = ""      # streamed text the view has yet to show
+        self._append_timer = QTimer(self)
+        self._append_timer.setSingleShot(True)
+        self._append_timer.setInterval(APPEND_INTERVAL_MS)
+        self._append_timer.timeout.connect(self.flush_stream)
         self.turn_spans: list[tuple[int, int, int]] = []   # (start, end, turn index) in the view's document
         self.view = QTextBrowser()
         self.view.setOpenExternalLinks(False)
@@ -85,6 +93,8 @@ class ChatTab(QWidget):
 
     def render(self) -> None:
         """Rebuild the whole view from the transcript (on structural changes; tokens go through `append`)."""
+        self._append_timer.stop()
+        self._unshown = ""      # the transcript has it: rebuilt below
         formats = self._formats()
         doc = self.view.document()
         doc.clear()
@@ -123,8 +133,17 @@ class ChatTab(QWidget):
         self._scroll_to_end()
 
     def append(self, text: str) -> None:
-        """Add streamed text to the reply being generated (the document's last block)."""
+        """Add streamed text to the reply being generated; the view shows it within APPEND_INTERVAL_MS."""
         self.transcript.append(text)
+        self._unshown += text
+        if not self._append_timer.isActive():
+            self._append_timer.start()
+
+    def flush_stream(self) -> None:
+        """Show the streamed text not yet shown (the document's last block)."""
+        text, self._unshown = self._unshown, ""
+        if not text:
+            return
         at_end = self._at_end()
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.End)

@@ -50,7 +50,7 @@ from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
 log = logging.getLogger(__name__)
 
 
-STATS_INTERVAL = 0.1   # seconds between stats snapshots while a reply streams
+STATS_INTERVAL = 0.5   # seconds between stats snapshots while a reply streams (the monitor redraws every 2 s then)
 
 
 class LoadCancelled(Exception):

@@ -10,6 +10,9 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   cold    the walk FFN with its caches on, each run on a fresh engine (every decode lookup misses and stores)
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
           measured run is a new session on the same engine, so its decode lookups are served by L2
+  app     the real window offscreen (larql_desktop/qt/bench_app.py, its own module: tools/ never imports Qt): the app's default walk with L1, L2 and a
+          persistent SQLite L3 in a temporary directory, cold caches every run, the cache monitor redrawing;
+          timed where each token reaches the GUI thread (a chat honours stop tokens, so a run may be shorter)
   llama.cpp  llama-cpp-python on the same GGUF and thread count, fed the same prompt token ids (when the
           optional `llama_cpp` package is importable; `pip install larql-desktop[bench]`)
 
@@ -40,7 +43,8 @@ from typing import Callable
 
 import numpy as np
 
-LARQL_MODES = ("dense", "layered", "sparse", "cold", "warm")
+APP_MODE = "app"
+LARQL_MODES = ("dense", "layered", "sparse", "cold", "warm", APP_MODE)
 LLAMA_MODE = "llama.cpp"
 LLAMA_NOEXTRA = "llama.cpp-noextra"
 DEFAULT_PROMPT = ("Explain in a few sentences how a CPU cache makes a program faster, and give one example of "
@@ -118,7 +122,8 @@ def summarise(runs: list[RunTiming]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ workers
-def _engine_for(model, mode: str):
+def engine_for(model, mode: str, l3=None):
+    """The engine a mode runs (dense, layered, sparse: every tier off; cold, warm: the walk with L1 and L2)."""
     from larql_desktop.engine.core import LarqlEngine
     from larql_desktop.engine.cache.tiers import TierSettings
     from larql_desktop.engine.cache.walk import WalkSettings
@@ -133,8 +138,9 @@ def _engine_for(model, mode: str):
         walk = WalkSettings()
     if mode in ("dense", "layered", "sparse"):
         kwargs.update(l1=off, l2=off)
-    # No persistent tier (the engine has none unless given one): it would make a "cold" run warm.
-    return LarqlEngine(model, walk=walk, **kwargs)
+    # No persistent tier unless given one (the app mode's pairing gives an empty one): it would make a "cold"
+    # run warm.
+    return LarqlEngine(model, walk=walk, l3=l3, **kwargs)
 
 
 def _cache_figures(engine, session) -> dict:
@@ -172,15 +178,15 @@ def run_larql_worker(spec: dict) -> dict:
         return timing
 
     if mode == "warm":
-        engine = _engine_for(model, mode)
+        engine = engine_for(model, mode)
         priming = one(engine)              # the cold pass that fills the caches; not counted
         result["priming_run"] = priming.to_dict()
         caches.clear()
         timings = [one(engine) for _ in range(runs)]
     elif mode == "cold":
-        timings = [one(_engine_for(model, mode)) for _ in range(runs)]
+        timings = [one(engine_for(model, mode)) for _ in range(runs)]
     else:
-        engine = _engine_for(model, mode)
+        engine = engine_for(model, mode)
         timings = [one(engine) for _ in range(runs)]
     result.update(summarise(timings))
     result["ttft_process_s"] = process_first_token
@@ -279,16 +285,18 @@ def run_llama_worker(spec: dict) -> dict:
 
 
 WORKERS = {"prepare": run_prepare_worker, "larql": run_larql_worker, "llama": run_llama_worker}
+# The app mode's worker is larql_desktop/qt/bench_app.py, run as a module of its own: tools/ never imports Qt.
+WORKER_MODULES = {"app": "larql_desktop.qt.bench_app"}
 
 
-def worker_main(argv: list[str]) -> int:
+def worker_main(argv: list[str], workers: dict = WORKERS) -> int:
     """python -m larql_desktop.tools.bench SPEC.json OUT.json (internal: run by `bench`)."""
     spec = json.loads(Path(argv[0]).read_text())
     if spec["worker"] != "llama":
         from larql_desktop.engine.graphs.store import share_thread_pool
 
         share_thread_pool(spec["threads"])   # as the CLI and the app run
-    result = WORKERS[spec["worker"]](spec)
+    result = workers[spec["worker"]](spec)
     Path(argv[1]).write_text(json.dumps(result))
     return 0
 
@@ -299,7 +307,8 @@ def _spawn(spec: dict, workdir: Path, timeout: float) -> dict:
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     spec = dict(spec, spawned_at=time.time())
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "larql_desktop.tools.bench", str(spec_path), str(out_path)],
+    module = WORKER_MODULES.get(spec["worker"], "larql_desktop.tools.bench")
+    proc = subprocess.run([sys.executable, "-m", module, str(spec_path), str(out_path)],
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if proc.returncode != 0 or not out_path.is_file():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
@@ -332,11 +341,20 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def targets(doc: dict) -> dict:
-    """Issue 6's targets, evaluated on this run (None where llama.cpp did not run)."""
+    """Issues 6 and 17: targets evaluated on this run (those needing llama.cpp only where it ran)."""
     modes = doc["modes"]
     dense, warm, llama = modes.get("dense"), modes.get("warm"), modes.get(LLAMA_MODE)
-    layered = modes.get("layered")
+    layered, cold, app, sparse = modes.get("layered"), modes.get("cold"), modes.get(APP_MODE), modes.get("sparse")
     out = {}
+    if app and (cold or app.get("paired_cold")):
+        # The paired ratio when the app mode has it (each app run beside a headless cold run in its process).
+        ratio = (app["paired_cold"]["app_over_cold_median"] if app.get("paired_cold")
+                 else app["decode_tok_s"] / cold["decode_tok_s"])
+        out["app_decode_within_10pct_of_cold"] = ratio >= 0.9
+    if sparse and layered:
+        out["walk_cache_off_ge_0.8x_layered"] = sparse["decode_tok_s"] >= 0.8 * layered["decode_tok_s"]
+    if warm and dense:
+        out["warm_decode_ge_1.2x_dense"] = warm["decode_tok_s"] >= 1.2 * dense["decode_tok_s"]
     if dense and llama:
         out["dense_decode_ge_0.75x_llama_cpp"] = dense["decode_tok_s"] >= 0.75 * llama["decode_tok_s"]
         if dense.get("peak_rss_mb") and llama.get("peak_rss_mb"):
@@ -374,7 +392,8 @@ def run_bench(model: str, threads: int, tokens: int, prompt: str, runs: int, mod
         results = {}
         for mode in modes:
             log(f"running {mode} ({runs} runs of {tokens} tokens, {threads} threads)")
-            results[mode] = _spawn(dict(base, worker="larql", mode=mode), workdir, timeout)
+            results[mode] = _spawn(dict(base, worker="app" if mode == APP_MODE else "larql", mode=mode), workdir,
+                                   timeout)
         if llama:
             results.update(_run_llama(dict(base, worker="llama", path=info["path"], prompt_ids=info["prompt_ids"]),
                                       workdir, timeout, log))
@@ -394,6 +413,9 @@ def run_bench(model: str, threads: int, tokens: int, prompt: str, runs: int, mod
     for name, r in results.items():
         if reference_tokens is not None:
             r["greedy_agreement_vs_" + ("llama_cpp" if ref else "dense")] = _agreement(r["tokens"], reference_tokens)
+        if name == APP_MODE and reference_tokens is not None:   # a chat may stop early: compare its length
+            r["greedy_agreement_vs_" + ("llama_cpp" if ref else "dense")] = _agreement(
+                r["tokens"], reference_tokens[:len(r["tokens"])])
         if ref and not name.startswith(LLAMA_MODE):
             r["vs_llama_cpp"] = {
                 "decode": _ratio(r["decode_tok_s"], ref["decode_tok_s"]),
@@ -422,6 +444,15 @@ def format_report(doc: dict) -> list[str]:
                      f"{_fmt(r['ttft_submit_s'], '10.3f', 's')} {_fmt(r['ttft_process_s'], '9.2f', 's')} "
                      f"{_fmt(r['load_seconds'], '7.2f')} {_fmt(r.get('peak_rss_mb'), '11.0f')} "
                      f"{_fmt(None if hr is None else 100 * hr, '7.1f', '%')}")
+    paired = (doc["modes"].get(APP_MODE) or {}).get("paired_cold")
+    if paired:
+        lines.append(f"app vs headless cold, each app run beside one in its process: "
+                     f"{paired['app_over_cold_median']:.2f}x median "
+                     f"({', '.join(f'{r:.2f}' for r in paired['app_over_cold'])})")
+        if paired.get("app_over_cold_l3"):
+            lines.append(f"app vs headless cold with the same (emptied) SQLite L3: "
+                         f"{paired['app_over_cold_l3_median']:.2f}x median "
+                         f"({', '.join(f'{r:.2f}' for r in paired['app_over_cold_l3'])})")
     if LLAMA_MODE in doc["modes"]:
         lines.append("ratios vs llama.cpp (decode/prefill: higher is faster; TTFT/RSS: lower is better)")
         lines.append(f"{'mode':10s} {'decode':>7s} {'prefill':>8s} {'TTFT sub':>8s} {'TTFT st':>8s} "

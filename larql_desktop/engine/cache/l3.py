@@ -14,14 +14,20 @@ recently used entries.
 
 The store is an optimisation and never breaks inference: a corrupt, locked or unreachable store is detected,
 logged once per kind of problem, and then rebuilt (a corrupt SQLite file is moved aside) or skipped for a while;
-a lookup that fails is a miss and a write that fails is dropped. Several processes share one SQLite file: a
+a lookup that fails is a miss and a write that fails is dropped. SQLite writes never run on the caller's thread:
+`put` queues the value (bounded; a full queue drops the write) and a background thread writes the queue in
+batched transactions on its own connection, so a store that is locked by another process, or a slow disk, delays
+only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction. Several processes share one SQLite file: a
 rebuild holds an exclusive lock on `<file>.lock` (opening holds it shared), a process moves the file aside only
 if it is still the file that process opened, and a process whose file was replaced under it (another process
 rebuilt it) reopens the new one instead of going on alone with the old.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -29,6 +35,7 @@ import sqlite3
 import struct
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +128,16 @@ def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
 
 
 def namespace_id(namespace: tuple) -> int:
-    """Signed 64-bit id of a walk namespace plus the numerics that computed its values."""
+    """Signed 64-bit id of a walk namespace plus the numerics that computed its values (memoised: it is asked
+    on every lookup and write, for a handful of namespaces)."""
+    try:
+        return _namespace_id(namespace)
+    except TypeError:          # an unhashable part: computed each time
+        return _namespace_id.__wrapped__(namespace)
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_id(namespace: tuple) -> int:
     text = json.dumps([L3_FORMAT, _ort_version(), *[str(p) for p in namespace]])
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
@@ -199,6 +215,10 @@ class L3Store:
         z = [np.zeros(n_layers, np.int64) for _ in range(5)]
         return tuple(z)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted write is in the store (a backend that writes synchronously: at once)."""
+        return True
+
     def clear(self) -> None: ...
     def close(self) -> None: ...
     def _get(self, layer: int, ns: int, key: int) -> bytes | None: ...
@@ -221,11 +241,26 @@ CREATE INDEX IF NOT EXISTS entries_layer ON entries (layer, nbytes);
 SCHEMA_VERSION = "1"
 
 
+_OPEN_STORES: "weakref.WeakSet[SqliteL3]" = None   # set below; closed at exit so queued writes are written
+
+
+def _close_open_stores() -> None:
+    for store in list(_OPEN_STORES):
+        store.close()
+
+
 class SqliteL3(L3Store):
-    """L3 in one SQLite file (WAL). Thread-safe; several processes may open the same file."""
+    """L3 in one SQLite file (WAL). Thread-safe; several processes may open the same file.
+
+    Two connections: lookups (and the rare clear and bad-value delete) on the caller's, writes on the writer
+    thread's. WAL readers never wait for a writer, so a lookup is never held up by the store's write lock."""
 
     backend = "sqlite"
-    TOUCH_BATCH = 64        # recency updates of hits are written in batches, not on every read
+    QUEUE_LIMIT = 4096      # values waiting to be written; beyond it a write is dropped (never waited for)
+    BATCH = 512             # values per write transaction
+    LINGER = 0.1            # seconds the writer waits after waking, so one transaction takes a few tokens' writes
+    CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
+    TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
     OCCUPANCY_EVERY = 2.0   # seconds between recounting per-layer occupancy (kept up to date in between)
 
@@ -235,7 +270,16 @@ class SqliteL3(L3Store):
         self.timeout = timeout
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
-        self._touched: dict[tuple[int, int, int], int] = {}
+        self._touched: dict[tuple[int, int, int], int] = {}   # hits' recency, written by the writer
+        # Values waiting for the writer, in arrival order; lookups see them. Guarded by _queued's lock.
+        self._pending: dict[tuple[int, int, int], tuple[bytes, int]] = {}   # -> (value, time.time_ns() put)
+        self._queued = threading.Condition(threading.Lock())
+        self._writer_lock = threading.Lock()              # the writer's connection and the batch in flight
+        self._writer: threading.Thread | None = None
+        self._wconn: sqlite3.Connection | None = None
+        self._wopened_id: tuple[int, int] | None = None
+        self._closing = threading.Event()
+        self.dropped_writes = 0                           # puts refused because the queue was full
         self._bytes = 0
         self._puts = 0
         self._evictions: dict[int, int] = {}
@@ -246,16 +290,23 @@ class SqliteL3(L3Store):
         self._opened_id: tuple[int, int] | None = None    # the file (not the name) the connection has open
         with self._lock:
             self._open()
+        _OPEN_STORES.add(self)
 
     @property
     def where(self) -> str:
         return str(self.path)
 
     def _connect(self) -> sqlite3.Connection:
+        """The lookup connection (the file it opened is recorded before its schema is checked: _rebuild needs it)."""
+        return self._connect_file(lookups=True)[0]
+
+    def _connect_file(self, lookups: bool = False) -> tuple[sqlite3.Connection, tuple[int, int] | None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(self._lock_path, exclusive=False):     # not while another process is rebuilding
             conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
-            self._opened_id = _file_id(self.path)
+            opened = _file_id(self.path)
+            if lookups:
+                self._opened_id = opened
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -269,7 +320,7 @@ class SqliteL3(L3Store):
         except BaseException:
             conn.close()
             raise
-        return conn
+        return conn, opened
 
     def _open(self) -> None:
         try:
@@ -293,7 +344,8 @@ class SqliteL3(L3Store):
             except sqlite3.Error:
                 pass
             self._conn = None
-        self._touched.clear()
+        with self._queued:
+            self._touched.clear()
         self._occ = None
 
     def _rebuild(self, exc: BaseException) -> None:
@@ -340,6 +392,12 @@ class SqliteL3(L3Store):
         return self._conn
 
     def _get(self, layer, ns, key):
+        address = (ns, layer, key)
+        with self._queued:
+            queued = self._pending.get(address)
+            if queued is not None:
+                self._touched[address] = time.time_ns()   # written after the value (same or later batch)
+                return queued[0]
         with self._lock:
             conn = self._conn_or_none()
             if conn is None:
@@ -350,19 +408,23 @@ class SqliteL3(L3Store):
             except sqlite3.Error as exc:
                 self._failed(exc)
                 return None
-            if row is None:
-                return None
-            self._touched[(ns, layer, key)] = time.time_ns()
+        if row is None:
+            return None
+        with self._queued:
+            self._touched[address] = time.time_ns()
             if len(self._touched) >= self.TOUCH_BATCH:
-                self._flush_touches(conn)
-            return row[0]
+                self._wake_writer()
+        return row[0]
 
     def _delete_if(self, layer, ns, key, blob):
+        with self._queued:
+            self._touched.pop((ns, layer, key), None)
+            if self._pending.get((ns, layer, key), (None,))[0] == blob:
+                del self._pending[(ns, layer, key)]
         with self._lock:
             conn = self._conn_or_none()
             if conn is None:
                 return
-            self._touched.pop((ns, layer, key), None)
             try:
                 gone = conn.execute("DELETE FROM entries WHERE ns=? AND layer=? AND key=? AND value=?",
                                     (ns, layer, key, blob)).rowcount
@@ -371,54 +433,149 @@ class SqliteL3(L3Store):
                 return
             if gone:
                 self._bytes -= len(blob)
-                self._count(layer, -1, -len(blob))
+                with self._queued:
+                    self._count(layer, -1, -len(blob))
 
-    def _flush_touches(self, conn) -> None:
-        if not self._touched:
-            return
-        rows = [(t, ns, layer, key) for (ns, layer, key), t in self._touched.items()]
-        self._touched.clear()
-        try:
-            conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?", rows)
-        except sqlite3.Error as exc:
-            self._failed(exc)
-
+    # -- the write-behind queue --------------------------------------------------------------------------
     def _put(self, layer, ns, key, blob):
-        with self._lock:
-            conn = self._conn_or_none()
-            if conn is None:
+        address = (ns, layer, key)
+        with self._queued:
+            if self._closing.is_set():
                 return False
+            if address not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
+                self.dropped_writes += 1
+                full = True
+            else:
+                self._pending[address] = (blob, time.time_ns())   # its recency is when it was computed
+                full = False
+                self._wake_writer()
+        if full:
+            self._report("queue full", RuntimeError(f"{self.QUEUE_LIMIT} values wait to be written"),
+                         "further writes are dropped until the writer catches up")
+        return not full
+
+    def _wake_writer(self) -> None:
+        """Called with _queued held: start the writer thread on first use, wake it otherwise."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._writer_loop, name="l3-writer", daemon=True)
+            self._writer.start()
+        self._queued.notify_all()
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._queued:
+                while not (self._pending or self._touched) and not self._closing.is_set():
+                    self._queued.wait()
+                if not (self._pending or self._touched):
+                    return                      # closing, and everything is written
+            if not self._closing.is_set():
+                self._closing.wait(self.LINGER)     # let the rest of this token's writes arrive
+            delay = self._write_batch()
+            if delay:
+                if self._closing.is_set():      # closing and the store refuses writes: give up the queue
+                    with self._queued:
+                        self._pending.clear()
+                        self._touched.clear()
+                        self._queued.notify_all()
+                    return
+                self._closing.wait(delay)
+
+    def _writer_connection(self) -> sqlite3.Connection | None:
+        if self._wconn is not None and _file_id(self.path) != self._wopened_id:
+            self._drop_writer_connection()      # the file was rebuilt or replaced: write to the new one
+        if self._wconn is None:
+            try:
+                self._wconn, self._wopened_id = self._connect_file()
+            except (sqlite3.Error, OSError) as exc:
+                self._report("unavailable", exc, f"writes wait in the queue, retried every {RETRY_AFTER:.0f} s")
+                return None
+        return self._wconn
+
+    def _drop_writer_connection(self) -> None:
+        if self._wconn is not None:
+            try:
+                self._wconn.close()
+            except sqlite3.Error:
+                pass
+            self._wconn = None
+
+    def _write_batch(self) -> float:
+        """Write up to BATCH queued values (and the hits' recency) in one transaction; 0.0 when done, else the
+        seconds to wait before trying again. Values leave the queue only once committed."""
+        with self._queued:
+            items = list(itertools.islice(self._pending.items(), self.BATCH))
+            touches, self._touched = self._touched, {}
+        with self._writer_lock:
+            conn = self._writer_connection()
+            if conn is None:
+                return RETRY_AFTER
+            changes: list[tuple[int, int, int]] = []
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    old = conn.execute("SELECT nbytes FROM entries WHERE ns=? AND layer=? AND key=?",
-                                       (ns, layer, key)).fetchone()
-                    conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
-                                 (ns, layer, key, blob, len(blob), time.time_ns()))
-                    self._bytes += len(blob) - (old[0] if old else 0)
-                    self._count(layer, 0 if old else 1, len(blob) - (old[0] if old else 0))
-                    self._puts += 1
-                    if self._puts % self.RESYNC_EVERY == 0:
+                    for (ns, layer, key), (blob, put_at) in items:
+                        old = conn.execute("SELECT nbytes FROM entries WHERE ns=? AND layer=? AND key=?",
+                                           (ns, layer, key)).fetchone()
+                        conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+                                     (ns, layer, key, blob, len(blob), put_at))
+                        changes.append((layer, 0 if old else 1, len(blob) - (old[0] if old else 0)))
+                    if touches:
+                        conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?",
+                                         [(t, ns, layer, key) for (ns, layer, key), t in touches.items()])
+                    self._bytes += sum(c[2] for c in changes)
+                    before = self._puts
+                    self._puts += len(items)
+                    if self._puts // self.RESYNC_EVERY != before // self.RESYNC_EVERY:
                         self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
                     if self._bytes > self.settings.max_bytes:
-                        self._evict(conn)
+                        self._evict(conn, changes)
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
             except sqlite3.Error as exc:
-                self._failed(exc)
-                return False
-            self._flush_touches(conn)
+                return self._write_failed(exc)
+            with self._queued:
+                for address, queued in items:
+                    if self._pending.get(address) is queued:   # not replaced meanwhile
+                        del self._pending[address]
+                for change in changes:
+                    self._count(*change)
+                self._queued.notify_all()                  # flush() waits for this
+        return 0.0
+
+    def _write_failed(self, exc: sqlite3.Error) -> float:
+        """The writer's share of _failed: a locked file is waited out (lookups go on), other errors back off,
+        corruption rebuilds the file (through the lookup connection, which owns that)."""
+        self._drop_writer_connection()
+        if isinstance(exc, sqlite3.OperationalError) or not isinstance(exc, sqlite3.DatabaseError):
+            if _is_locked(exc):
+                self._report("locked", exc, f"writes wait in the queue (up to {self.QUEUE_LIMIT}) while it is "
+                             "locked; lookups go on")
+                return LOCKED_RETRY
+            self._report("error", exc, f"writes wait in the queue, retried every {RETRY_AFTER:.0f} s")
+            return RETRY_AFTER
+        with self._lock:
+            self._rebuild(exc)
+        return 0.01
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued value is written; False if that did not happen within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queued:
+            while self._pending or self._touched:
+                if self._writer is None:
+                    self._wake_writer()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._queued.wait(left if left is not None else 1.0)
+        with self._writer_lock:   # the batch in flight, if any, has been committed
             return True
 
-    def _evict(self, conn) -> None:
-        """Delete least recently used entries down to 90% of the cap (hits' recency is flushed first)."""
-        if self._touched:
-            rows = [(t, ns, layer, key) for (ns, layer, key), t in self._touched.items()]
-            self._touched.clear()
-            conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?", rows)
+    def _evict(self, conn, changes: list) -> None:
+        """Delete least recently used entries down to 90% of the cap (hits' recency is written first)."""
         self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
         target = int(self.settings.max_bytes * 0.9)
         while self._bytes > target:
@@ -429,7 +586,7 @@ class SqliteL3(L3Store):
             for rowid, layer, nbytes in victims:
                 chosen.append(rowid)
                 self._bytes -= nbytes
-                self._count(layer, -1, -nbytes)
+                changes.append((layer, -1, -nbytes))
                 self._evictions[layer] = self._evictions.get(layer, 0) + 1
                 if self._bytes <= target:
                     break
@@ -442,6 +599,8 @@ class SqliteL3(L3Store):
             counts[1] += nbytes
 
     def occupancy(self, n_layers):
+        """The file's counts plus the values still queued (a recount of the file waits for no batch in flight:
+        while one is being written, the last counts serve)."""
         keys, entries, nbytes, evictions, dropped = super().occupancy(n_layers)
         with self._lock:
             for layer, count in self._evictions.items():
@@ -450,21 +609,39 @@ class SqliteL3(L3Store):
             conn = self._conn_or_none()
             if conn is None:
                 return keys, entries, nbytes, evictions, dropped
-            if self._occ is None or time.monotonic() - self._occ_time > self.OCCUPANCY_EVERY:
-                try:
+            if ((self._occ is None or time.monotonic() - self._occ_time > self.OCCUPANCY_EVERY)
+                    and self._writer_lock.acquire(blocking=False)):
+                try:   # under the writer's lock: no batch is between its commit and leaving the queue
                     rows = conn.execute("SELECT layer, COUNT(*), SUM(nbytes) FROM entries GROUP BY layer").fetchall()
                 except sqlite3.Error as exc:
                     self._failed(exc)
                     return keys, entries, nbytes, evictions, dropped
-                self._occ = {layer: [count, total] for layer, count, total in rows}
+                finally:
+                    self._writer_lock.release()
+                with self._queued:
+                    self._occ = {layer: [count, total] for layer, count, total in rows}
                 self._occ_time = time.monotonic()
-            for layer, (count, total) in self._occ.items():
-                if 0 <= layer < n_layers:
-                    keys[layer] = entries[layer] = count
-                    nbytes[layer] = total
+            with self._queued:
+                for layer, (count, total) in (self._occ or {}).items():
+                    if 0 <= layer < n_layers:
+                        keys[layer] = entries[layer] = count
+                        nbytes[layer] = total
+                for (_, layer, _), (blob, _) in self._pending.items():
+                    if 0 <= layer < n_layers:
+                        keys[layer] += 1
+                        entries[layer] += 1
+                        nbytes[layer] += len(blob)
         return keys, entries, nbytes, evictions, dropped
 
+    def status(self) -> dict:
+        out = super().status()
+        with self._queued:
+            out["queued_writes"] = len(self._pending)
+        out["dropped_writes"] = self.dropped_writes
+        return out
+
     def total_bytes(self) -> int:
+        """Bytes in the file (queued values not yet written are not counted)."""
         with self._lock:
             conn = self._conn_or_none()
             if conn is None:
@@ -472,27 +649,43 @@ class SqliteL3(L3Store):
             return int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
 
     def clear(self) -> None:
-        with self._lock:
-            conn = self._conn_or_none()
-            if conn is None:
-                return
-            try:
-                conn.execute("DELETE FROM entries")
-                self._bytes = 0
-                self._occ = None
+        with self._writer_lock:      # after the batch in flight; nothing queued survives
+            with self._queued:
+                self._pending.clear()
                 self._touched.clear()
-            except sqlite3.Error as exc:
-                self._failed(exc)
+                self._queued.notify_all()
+            with self._lock:
+                conn = self._conn_or_none()
+                if conn is None:
+                    return
+                try:
+                    conn.execute("DELETE FROM entries")
+                    self._bytes = 0
+                    self._occ = None
+                except sqlite3.Error as exc:
+                    self._failed(exc)
 
     def close(self) -> None:
+        """Write what is queued (for at most CLOSE_FLUSH seconds), then close both connections."""
+        with self._queued:
+            self._closing.set()
+            self._queued.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join(self.CLOSE_FLUSH)
+        with self._writer_lock:
+            self._drop_writer_connection()
         with self._lock:
             if self._conn is not None:
                 try:
-                    self._flush_touches(self._conn)
                     self._conn.close()
                 except sqlite3.Error:
                     pass
                 self._conn = None
+
+
+_OPEN_STORES = weakref.WeakSet()
+atexit.register(_close_open_stores)   # before the writer (a daemon thread) is stopped with the interpreter
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:

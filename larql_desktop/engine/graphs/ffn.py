@@ -168,7 +168,21 @@ class OnnxFfn(PassAwareFfn):
         return self._gate[layer].run(None, {"x": x})[0]            # (T, F)
 
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        return self._walk[layer].run(None, {"x": x, "scores": scores, "mask": mask})[0]   # (T, d)
+        """(T, d), through an IO binding as `dense` (the walk runs once per layer and token on a miss)."""
+        bindings = getattr(self._local, "walk", None)
+        if bindings is None:
+            bindings = self._local.walk = [None] * self.config.n_layers
+        b = bindings[layer]
+        if b is None:
+            b = bindings[layer] = Binding(self._walk[layer])
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], self.config.hidden), np.float32)
+        b.bind_input("x", x)
+        b.bind_input("scores", np.ascontiguousarray(scores, dtype=np.float32))
+        b.bind_input("mask", np.ascontiguousarray(mask, dtype=np.float32))
+        b.bind_output("out", out)
+        b.run()
+        return out
 
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray:
         """(T, d) in one call, through an IO binding (session.run's feed dict costs ~15 us per call)."""

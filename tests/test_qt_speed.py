@@ -1,0 +1,32 @@
+"""What keeps the app as fast as the engine (issue 17), on the real widgets offscreen: streamed text reaches the
+view in coalesced appends, not one layout and repaint per token."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from larql_desktop.qt.qt_chat_tab import APPEND_INTERVAL_MS, ChatTab  # noqa: E402
+
+
+def test_streamed_tokens_reach_the_view_in_one_append_per_interval(qtbot):
+    tab = ChatTab(1, "Chat 1", [])
+    qtbot.addWidget(tab)
+    tab.transcript.add_user("Count.")
+    tab.transcript.start_reply()
+    tab.render()
+    inserts = []
+    tab.view.document().contentsChange.connect(lambda pos, removed, added: inserts.append(added))
+    pieces = [f" {i}" for i in range(200)]
+    for piece in pieces:
+        tab.append(piece)
+    assert tab.transcript.last.text == "".join(pieces)     # the transcript has every token at once...
+    assert "199" not in tab.view.toPlainText()              # ...the view only at the next interval
+    qtbot.waitUntil(lambda: tab.view.toPlainText().endswith(" 199"), timeout=20 * APPEND_INTERVAL_MS)
+    assert len(inserts) == 1                                # one insert for the 200 tokens
+    assert tab.view.toPlainText().count(" 150 ") == 1
+    tab.append(" more")
+    tab.render()                                            # a rebuild shows the pending text once, now
+    assert tab.view.toPlainText().endswith(" 199 more")
+    qtbot.wait(3 * APPEND_INTERVAL_MS)
+    assert tab.view.toPlainText().count(" more") == 1       # and the timer does not append it again
