@@ -1,0 +1,46 @@
+"""The token view's feature table on the real window with the real SmolLM2 (offscreen)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import Qt  # noqa: E402
+
+from larql_desktop.engine.cache.features import feature_view  # noqa: E402
+from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
+from test_qt_chats import REPLY_TIMEOUT, home, make_window, send  # noqa: E402,F401 (fixtures)
+
+LAYER = 7
+
+
+def test_clicking_a_layer_row_fills_the_feature_table_with_the_engines_answer(make_window, qtbot):
+    win = make_window()
+    send(qtbot, win, "Name a colour.", max_tokens=3)
+    win.show_last_reply_tokens()
+    view = win.token_view
+    assert view.tokens.count() >= 2
+    view.tokens.setCurrentRow(1)
+    table = view.features.table
+    assert table.rowCount() == 0
+    cell = view.layers.visualItemRect(view.layers.item(LAYER, 0)).center()
+    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+        qtbot.mouseClick(view.layers.viewport(), Qt.LeftButton, pos=cell)
+    assert view.features.layer.value() == LAYER
+    assert table.rowCount() == 20
+    # The engine function's answer for the pass token 1 was sampled from: the prompt and token 0.
+    worker = win.client.worker
+    session = worker.sessions[win.current_tab().session_id]
+    ids = worker.model.encode_prompt(session.conversation(session.messages[:-1])) + [view.events[0].token_id]
+    expected = feature_view(worker.engine, ids, LAYER)
+    assert view.features.view == expected
+    assert table.item(0, 0).text() == str(expected.rows[0].feature)
+    assert [table.item(r, 2).text() == "yes" for r in range(20)] == [r.in_key for r in expected.rows]
+    assert f"{expected.key_hash:016x}" in view.features.status.text()
+    # The layer selector asks again for another layer of the same token.
+    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+        view.features.layer.setValue(LAYER + 1)
+    assert view.features.view.layer == LAYER + 1
+    assert table.item(0, 0).text() == str(feature_view(worker.engine, ids, LAYER + 1).rows[0].feature)
