@@ -26,7 +26,9 @@ def _dense_inputs(model, ids) -> np.ndarray:
     return np.stack(rows)
 
 
-def test_strongest_feature_and_key_match_an_independent_computation(smollm2):
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_strongest_feature_and_key_match_an_independent_computation(request, model_name):
+    smollm2 = request.getfixturevalue(model_name)
     # Full K is dense: the residual stream is the model's own, so a dense recording reproduces the input.
     engine = LarqlEngine(smollm2, WalkSettings(top_k=smollm2.config.intermediate - 1, key_width=16))
     ids = prompt_ids(smollm2, "What is the capital of France?")

@@ -8,7 +8,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import Qt  # noqa: E402
 
 from larql_desktop.engine.cache.features import feature_view  # noqa: E402
-from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
+from larql_desktop.qt.qt_feature_view import FeaturesResult, ShowFeatures  # noqa: E402
 from test_qt_chats import REPLY_TIMEOUT, home, make_window, send  # noqa: E402,F401 (fixtures)
 
 LAYER = 7
@@ -44,3 +44,24 @@ def test_clicking_a_layer_row_fills_the_feature_table_with_the_engines_answer(ma
         view.features.layer.setValue(LAYER + 1)
     assert view.features.view.layer == LAYER + 1
     assert table.item(0, 0).text() == str(feature_view(worker.engine, ids, LAYER + 1).rows[0].feature)
+
+
+def test_a_token_whose_chat_moved_on_or_closed_gets_a_clear_error_and_an_empty_table(make_window, qtbot):
+    win = make_window()
+    send(qtbot, win, "Name a colour.", max_tokens=3)
+    win.show_last_reply_tokens()
+    view = win.token_view
+    session_id = win.current_tab().session_id
+    event = view.events[2]
+    # Tokens that are not the ones before this position in the session (the chat was regenerated meanwhile).
+    wrong = tuple((e.token_id + 1) % 1000 for e in view.events[:2])
+    with qtbot.waitSignal(win.client.error, timeout=REPLY_TIMEOUT) as failed:
+        win.client.submit(ShowFeatures(win.client.next_request_id(), session_id, event.position, wrong, LAYER))
+    assert "moved on" in failed.args[0].message
+    # A closed session cannot answer: the status says why and the table stays empty.
+    win.client.close_session(session_id)
+    view.tokens.setCurrentRow(1)
+    with qtbot.waitSignal(win.client.error, timeout=REPLY_TIMEOUT):
+        view.features.request(LAYER)
+    assert "session is gone" in view.features.status.text()
+    assert view.features.table.rowCount() == 0 and view.features.view is None
