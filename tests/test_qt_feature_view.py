@@ -7,9 +7,12 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import Qt  # noqa: E402
 
+import test_qt_chats as chats  # noqa: E402
 from larql_desktop.engine.cache.features import feature_view  # noqa: E402
 from larql_desktop.qt.qt_feature_view import FeaturesResult, ShowFeatures  # noqa: E402
-from test_qt_chats import REPLY_TIMEOUT, home, make_window, send  # noqa: E402,F401 (fixtures)
+
+# The chat tests' window fixtures and helpers (a fixture is found by its name in this module).
+home, make_window, send, REPLY_TIMEOUT = chats.home, chats.make_window, chats.send, chats.REPLY_TIMEOUT
 
 LAYER = 7
 
