@@ -104,7 +104,7 @@ class MainWindow(QMainWindow):
         self.chats_panel.rename_requested.connect(self.rename_chat)
         self.chats_panel.delete_requested.connect(self.delete_chat)
         self.chats_panel.search_changed.connect(self._refresh_chat_list)
-        self.token_view = TokenView()
+        self.token_view = TokenView(client)
         self.token_dock = self.add_panel("Tokens", self.token_view, shortcut="Ctrl+Shift+T")
         self.patch_editor = PatchEditor(client)
         self.patch_editor_dock = self.add_panel("Patch editor", self.patch_editor, shortcut="Ctrl+Shift+P")

@@ -174,11 +174,14 @@ class TokenEvent:
     is_stop: bool
     alternatives: tuple[Alternative, ...] = ()   # the model's top tokens at this step
     layers: tuple[LayerOutcome, ...] = ()        # the FFN per layer in the pass this token was sampled from
+    # Where in the session's token history that pass ran (its last position; -1 unknown): the feature view
+    # recomputes the pass from history[:position + 1].
+    position: int = -1
 
     @classmethod
-    def from_step(cls, request_id: int, session_id: int, step: TokenStep) -> "TokenEvent":
+    def from_step(cls, request_id: int, session_id: int, step: TokenStep, position: int = -1) -> "TokenEvent":
         return cls(request_id, session_id, step.token_id, step.text, step.index, step.seconds,
-                   step.prompt_tokens, step.is_stop, step.alternatives, step.layers)
+                   step.prompt_tokens, step.is_stop, step.alternatives, step.layers, position)
 
 
 @dataclass(frozen=True)

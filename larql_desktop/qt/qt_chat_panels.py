@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QVBoxLayout, QWidget)
 
 from larql_desktop.engine.chats import ChatSummary
+from larql_desktop.qt.qt_feature_view import FeatureTable
 
 
 class ChatsPanel(QWidget):
@@ -82,7 +83,7 @@ def _visible(text: str) -> str:
 class TokenView(QWidget):
     """A reply's tokens (a list) and, for the one selected, its alternatives and per-layer FFN outcomes."""
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, client=None, parent: QWidget | None = None):
         super().__init__(parent)
         self.events: list = []   # the reply's TokenEvents
         self.caption = QLabel("Pick a reply (right-click it: Show tokens…); the last reply is shown by default.")
@@ -102,6 +103,11 @@ class TokenView(QWidget):
         right_layout.addWidget(self.note)
         right_layout.addWidget(_wrapped("FFN per layer, in the pass this token was sampled from"))
         right_layout.addWidget(self.layers, 1)
+        # With an engine client: the selected token's strongest features at a layer (click a layer row).
+        self.features = FeatureTable(client) if client is not None else None
+        if self.features is not None:
+            self.layers.cellClicked.connect(self._layer_clicked)
+            right_layout.addWidget(self.features, 1)
         splitter = QSplitter(Qt.Vertical)   # narrow: it shares the right-hand dock with the other panels
         splitter.addWidget(self.tokens)
         splitter.addWidget(right)
@@ -141,6 +147,9 @@ class TokenView(QWidget):
         self.alternatives.setRowCount(0)
         self.layers.setRowCount(0)
         self.note.setText("")
+        if self.features is not None:
+            before = tuple(e.token_id for e in self.events[:max(row, 0)])
+            self.features.set_token(event, before, len(event.layers) if event is not None else 0)
         if event is None:
             return
         for a in event.alternatives:
@@ -156,3 +165,8 @@ class TokenView(QWidget):
             self.layers.insertRow(r)
             self.layers.setItem(r, 0, QTableWidgetItem(str(o.layer)))
             self.layers.setItem(r, 1, QTableWidgetItem(o.describe()))
+
+    def _layer_clicked(self, row: int, _column: int) -> None:
+        item = self.layers.item(row, 0)
+        if item is not None and self.features is not None:
+            self.features.request(int(item.text()))

@@ -367,7 +367,8 @@ class EngineWorker(QObject):
                     outcome = stats.natural_outcome()
                     break
                 stats.add(step)
-                self.token.emit(TokenEvent.from_step(request_id, session_id, step))
+                # The history holds the prompt and the reply's tokens before this one: its last is the pass's.
+                self.token.emit(TokenEvent.from_step(request_id, session_id, step, len(session.history) - 1))
                 if time.monotonic() - last_stats >= STATS_INTERVAL:
                     self._emit_stats()
                     last_stats = time.monotonic()

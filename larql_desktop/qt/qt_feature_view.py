@@ -1,0 +1,144 @@
+"""The token view's feature table: for the selected token and layer, the strongest FFN features by gate score,
+which formed the cache key and which INSERT overrides fired (engine/cache/features.py).
+
+The request runs in the engine thread through a handler registered on the worker (`register_handler`); it
+rebuilds the pass the token was sampled from out of its chat session's token history.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from PySide6.QtCore import Slot
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QSpinBox, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
+
+from larql_desktop.engine.cache.features import FeatureView, feature_view
+
+FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired")
+
+
+@dataclass(frozen=True)
+class ShowFeatures:
+    request_id: int
+    session_id: int
+    position: int                  # the pass's last position in the session's history
+    reply_before: tuple[int, ...]  # the reply's tokens sampled before this one (they end the pass's input)
+    layer: int
+
+
+@dataclass(frozen=True)
+class FeaturesResult:
+    request_id: int
+    view: FeatureView
+
+
+def features_handler(worker):
+    """The engine-thread side: the session's history up to the pass, checked against the reply, then the view."""
+    def handle(request: ShowFeatures) -> None:
+        if worker.engine is None:
+            raise ValueError("load a model first")
+        session = worker.sessions.get(request.session_id)
+        if session is None or request.position < 0:
+            raise ValueError("this reply's chat session is gone (a reopened chat or another model): "
+                             "the feature view needs a reply generated since the model loaded")
+        ids = session.history[:request.position + 1]
+        before = list(request.reply_before)
+        if len(ids) != request.position + 1 or (before and ids[len(ids) - len(before):] != before):
+            raise ValueError("the chat has moved on since this reply (regenerated or edited): its tokens are no "
+                             "longer in the session")
+        worker.event.emit(FeaturesResult(request.request_id, feature_view(worker.engine, ids, request.layer)))
+    return handle
+
+
+class FeatureTable(QWidget):
+    """A layer selector and the table of one FeatureView; `request(event, layer)` asks the engine for it."""
+
+    def __init__(self, client, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.client = client
+        self.view: FeatureView | None = None
+        self._pending: int | None = None
+        self._event = None
+        self._reply_before: tuple[int, ...] = ()
+        client.worker.register_handler(ShowFeatures, features_handler(client.worker))
+        client.event.connect(self._on_event)
+        client.error.connect(self._on_error)
+        self.layer = QSpinBox(minimum=0, maximum=0)
+        self.layer.setAccessibleName("Feature view layer")
+        self.layer.valueChanged.connect(self._layer_changed)
+        self.status = QLabel("Pick a token, then a layer (or click a layer row above).")
+        self.status.setWordWrap(True)
+        self.table = QTableWidget(0, len(FEATURE_COLUMNS))
+        self.table.setHorizontalHeaderLabels(FEATURE_COLUMNS)
+        self.table.setAccessibleName("Strongest features")
+        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Features at layer"))
+        row.addWidget(self.layer, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(row)
+        layout.addWidget(self.status)
+        layout.addWidget(self.table, 1)
+
+    def set_token(self, event, reply_before: tuple[int, ...], n_layers: int) -> None:
+        """The token whose features the table shows (None: nothing selected) and the reply's tokens sampled
+        before it; clears the last answer."""
+        self._event = event
+        self._reply_before = tuple(reply_before)
+        self._pending = None
+        self.view = None
+        self.table.setRowCount(0)
+        self.layer.blockSignals(True)
+        self.layer.setMaximum(max(0, n_layers - 1))
+        self.layer.blockSignals(False)
+        self.status.setText("Pick a layer (or click a layer row above)." if event is not None else "")
+
+    def request(self, layer: int) -> int | None:
+        """Ask for the selected token's features at `layer`; returns the request id (None without a token)."""
+        event = self._event
+        if event is None or self.client.model is None:
+            return None
+        self.layer.blockSignals(True)
+        self.layer.setValue(layer)
+        self.layer.blockSignals(False)
+        request = ShowFeatures(self.client.next_request_id(), event.session_id, event.position,
+                               self._reply_before, layer)
+        self._pending = request.request_id
+        self.status.setText(f"Computing the features of layer {layer}…")
+        self.client.submit(request)
+        return request.request_id
+
+    @Slot(int)
+    def _layer_changed(self, layer: int) -> None:
+        self.request(layer)
+
+    @Slot(object)
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, FeaturesResult) and event.request_id == self._pending:
+            self._pending = None
+            self.show_view(event.view)
+
+    @Slot(object)
+    def _on_error(self, report) -> None:
+        if self._pending is not None and getattr(report, "request_id", None) == self._pending:
+            self._pending = None
+            self.status.setText(f"Failed: {report.message}")
+
+    def show_view(self, view: FeatureView) -> None:
+        self.view = view
+        self.table.setRowCount(0)
+        for r in view.rows:
+            i = self.table.rowCount()
+            self.table.insertRow(i)
+            cells = (str(r.feature), f"{r.score:+.4f}", "yes" if r.in_key else "",
+                     f"patch {r.patch_id}" if r.patch_id else "")
+            for column, text in enumerate(cells):
+                self.table.setItem(i, column, QTableWidgetItem(text))
+        fired = ", ".join(f"{r.feature} (patch {r.patch_id})" for r in view.fired) or "none"
+        self.status.setText(f"Layer {view.layer}, position {view.position}: the {len(view.rows)} strongest of "
+                            f"K={view.top_k}; key of k'={view.key_width} features, hash {view.key_hash:016x}"
+                            f"{' (not looked up: the layer is patched)' if view.layer_patched else ''}; "
+                            f"INSERT overrides fired: {fired}")
