@@ -28,7 +28,6 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
-from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchOverlay
 
@@ -107,17 +106,7 @@ class Decoder:
         self.ins = engine.inserter()
 
     def greedy(self, ids: list[int], overlay: PatchOverlay, n: int) -> list[int]:
-        kv = KvCache(self.model.config, capacity=len(ids) + n + 1)
-        ffn = self.ins.ffn(overlay)
-        logits = self.model.transformer.forward(ids, kv, ffn)[-1]
-        out = []
-        for _ in range(n):
-            token = int(np.argmax(logits))
-            if token in self.model.tokenizer.stop_ids:
-                break
-            out.append(token)
-            logits = self.model.transformer.forward([token], kv, ffn)[-1]
-        return out
+        return self.ins.greedy(ids, overlay, n)
 
     def text(self, prompt: str, overlay: PatchOverlay, n: int = CONTINUATION_TOKENS) -> tuple[int, ...]:
         return tuple(self.greedy(self.model.tokenizer.encode(prompt), overlay, n))

@@ -21,6 +21,7 @@ Everything is forward passes and linear algebra: no gradient descent over the mo
 from __future__ import annotations
 
 import threading
+from itertools import islice, takewhile
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -29,6 +30,7 @@ import numpy as np
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import ACTIVATIONS, KvCache
 from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
@@ -228,17 +230,11 @@ class Inserter:
         return float(softmax(self.last_logits(text, overlay))[token])
 
     def greedy(self, ids: Sequence[int], overlay: PatchOverlay, n: int) -> list[int]:
+        """Up to n greedy tokens after `ids` under the overlay, stopping before a stop token."""
         kv = KvCache(self.model.config, capacity=len(ids) + n + 1)
-        ffn = self.ffn(overlay)
-        logits = self.model.transformer.forward(list(ids), kv, ffn)[-1]
-        tokens = []
-        for _ in range(n):
-            token = int(np.argmax(logits))
-            if token in self.model.tokenizer.stop_ids:
-                break
-            tokens.append(token)
-            logits = self.model.transformer.forward([token], kv, ffn)[-1]
-        return tokens
+        stops = self.model.tokenizer.stop_ids
+        return list(takewhile(lambda token: token not in stops,
+                              islice(greedy(self.model.transformer, ids, self.ffn(overlay), kv), n)))
 
     def continuation(self, text: str, overlay: PatchOverlay, n: int = 8) -> tuple[str, list[int]]:
         """Greedy continuation of plain text under the overlay."""
