@@ -34,8 +34,9 @@ from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.graphs.store import GraphStore, file_digest, make_model
 from larql_desktop.engine.loading import load_model
 from larql_desktop.engine.model.generation import SamplingSettings
-from larql_desktop.engine.patches.insert import Fact, Inserter
-from larql_desktop.engine.patches.overlay import BaseFeatureWeights, PatchError, encode_vector, parse_patch
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.insert import Fact
+from larql_desktop.engine.patches.overlay import PatchError, encode_vector, parse_patch
 from test_ffn_cache import run_sequence
 from test_l3 import NS, _entry, open_store, redis_url  # noqa: F401  (fixtures)
 
@@ -47,8 +48,13 @@ PROMPT = "Name a large animal that lives in the sea."
 @pytest.fixture(scope="module")
 def real_inputs(smollm2):
     """Real normed FFN inputs of SmolLM2, per layer: (T, d) for the prompt's positions."""
-    inserter = Inserter(smollm2, BaseFeatureWeights(smollm2.gguf))
-    return {layer: inserter.ffn_inputs(PROMPT, layer) for layer in range(smollm2.config.n_layers)}
+    captured = {}
+
+    def recording(layer, x):
+        captured[layer] = x.copy()
+        return smollm2.ffn.dense(layer, x)
+    smollm2.transformer.forward(smollm2.tokenizer.encode(PROMPT), KvCache(smollm2.config), recording)
+    return captured
 
 
 def _key(model, layer, x, top_k):
