@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QSplitter, QTableWidget, QTableWidgetItem, QToolButton,
+from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QSplitter, QTableWidgetItem, QToolButton,
                                QVBoxLayout, QWidget)
 
 from larql_desktop.engine.chats import ChatSummary
 from larql_desktop.qt.qt_feature_view import FeatureTable
+from larql_desktop.qt.qt_tables import read_only_table
 
 
 class ChatsPanel(QWidget):
@@ -91,8 +92,8 @@ class TokenView(QWidget):
         self.tokens = QListWidget()
         self.tokens.setAccessibleName("Reply tokens")
         self.tokens.currentRowChanged.connect(self.show_token)
-        self.alternatives = self._table(["Token", "Probability"], "Top alternatives")
-        self.layers = self._table(["Layer", "FFN"], "FFN per layer")
+        self.alternatives = read_only_table(["Token", "Probability"], "Top alternatives")
+        self.layers = read_only_table(["Layer", "FFN"], "FFN per layer")
         self.note = QLabel("")
         self.note.setWordWrap(True)
         right = QWidget()
@@ -115,16 +116,6 @@ class TokenView(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self.caption)
         layout.addWidget(splitter, 1)
-
-    @staticmethod
-    def _table(headers: list[str], name: str) -> QTableWidget:
-        table = QTableWidget(0, len(headers))
-        table.setHorizontalHeaderLabels(headers)
-        table.setAccessibleName(name)
-        table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        table.verticalHeader().hide()
-        table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
-        return table
 
     def show_reply(self, events: list, caption: str) -> None:
         self.events = list(events)

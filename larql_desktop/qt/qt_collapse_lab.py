@@ -17,12 +17,12 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
-                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.collapse import CSV_HEADER, CollapseReport, collapse, report_csv_rows
 from larql_desktop.qt.protocol import ModelInfo
 from larql_desktop.qt.worker import EngineClient
+from larql_desktop.qt.qt_tables import read_only_table
 
 COSINE_COLOUR = "#3a7bd5"
 OVERLAP_COLOUR = "#e8871e"
@@ -155,12 +155,7 @@ class CollapseLab(QWidget):
         self.charts.ci.layout.setColumnStretchFactor(0, 3)
         self.charts.ci.layout.setColumnStretchFactor(1, 2)
 
-        self.table = QTableWidget(0, len(TABLE_COLUMNS))
-        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
-        self.table.setAccessibleName("Collapse table")
-        self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setDefaultSectionSize(20)   # compact rows: more layers in view
-        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.table = read_only_table(TABLE_COLUMNS, "Collapse table", stretch=False, row_height=20)
 
         # Wide and short, as the bottom dock is: controls | charts | table, the status line under the last two.
         # The whole panel scrolls below its (small) minimum size, and the controls on their own when the dock is

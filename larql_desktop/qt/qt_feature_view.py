@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from PySide6.QtCore import Slot
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QSpinBox, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QHBoxLayout, QLabel, QSpinBox, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.cache.features import FeatureView, feature_view
+from larql_desktop.qt.qt_tables import read_only_table
 
 FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired")
 
@@ -68,12 +68,7 @@ class FeatureTable(QWidget):
         self.layer.valueChanged.connect(self._layer_changed)
         self.status = QLabel("Pick a token, then a layer (or click a layer row above).")
         self.status.setWordWrap(True)
-        self.table = QTableWidget(0, len(FEATURE_COLUMNS))
-        self.table.setHorizontalHeaderLabels(FEATURE_COLUMNS)
-        self.table.setAccessibleName("Strongest features")
-        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
-        self.table.verticalHeader().hide()
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
+        self.table = read_only_table(FEATURE_COLUMNS, "Strongest features")
         row = QHBoxLayout()
         row.addWidget(QLabel("Features at layer"))
         row.addWidget(self.layer, 1)

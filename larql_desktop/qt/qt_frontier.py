@@ -15,13 +15,14 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
-                               QPushButton, QSizePolicy, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QPushButton, QSizePolicy, QSpinBox, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.qt.qt_collapse_lab import scrolling
 from larql_desktop.qt.worker import EngineClient
 from larql_desktop.tools.measure import FrontierPoint, MeasurementStopped, parse_sweep, run_frontier
+from larql_desktop.qt.qt_tables import read_only_table
 
 TAU_COLOURS = ("#7f7f7f", "#3a7bd5", "#e8871e", "#2ca02c", "#9467bd", "#d62728", "#17a398")
 BOUND_COLOUR = "#d62728"
@@ -159,12 +160,7 @@ class FrontierView(QWidget):
         self.bound_line = self.plot.plot([], [], pen=pg.mkPen(BOUND_COLOUR, width=1.5, style=Qt.DashLine),
                                          symbol="star", symbolSize=13, symbolBrush=BOUND_COLOUR, symbolPen=None)
         self.plot.addItem(self.design_points)
-        self.table = QTableWidget(0, len(TABLE_COLUMNS))
-        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
-        self.table.setAccessibleName("Frontier table")
-        self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setDefaultSectionSize(20)   # compact rows: more layers in view
-        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.table = read_only_table(TABLE_COLUMNS, "Frontier table", stretch=False, row_height=20)
         # As the lab: controls | chart | table, the status lines under them; scrolling below the minimum size.
         self.plot_widget.setMinimumSize(200, 60)
         self.table.setMinimumSize(120, 60)
