@@ -249,6 +249,15 @@ def _close_open_stores() -> None:
         store.close()
 
 
+def _close_quietly(conn: sqlite3.Connection | None) -> None:
+    """Close a connection that may already be broken (what matters is that it is not used again)."""
+    if conn is not None:
+        try:
+            conn.close()
+        except sqlite3.Error:
+            pass
+
+
 class SqliteL3(L3Store):
     """L3 in one SQLite file (WAL). Thread-safe; several processes may open the same file.
 
@@ -338,12 +347,8 @@ class SqliteL3(L3Store):
         return Path(f"{self.path}.lock")
 
     def _drop_connection(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except sqlite3.Error:
-                pass
-            self._conn = None
+        _close_quietly(self._conn)
+        self._conn = None
         with self._queued:
             self._touched.clear()
         self._occ = None
@@ -492,12 +497,8 @@ class SqliteL3(L3Store):
         return self._wconn
 
     def _drop_writer_connection(self) -> None:
-        if self._wconn is not None:
-            try:
-                self._wconn.close()
-            except sqlite3.Error:
-                pass
-            self._wconn = None
+        _close_quietly(self._wconn)
+        self._wconn = None
 
     def _write_batch(self) -> float:
         """Write up to BATCH queued values (and the hits' recency) in one transaction; 0.0 when done, else the
@@ -676,12 +677,8 @@ class SqliteL3(L3Store):
         with self._writer_lock:
             self._drop_writer_connection()
         with self._lock:
-            if self._conn is not None:
-                try:
-                    self._conn.close()
-                except sqlite3.Error:
-                    pass
-                self._conn = None
+            _close_quietly(self._conn)
+            self._conn = None
 
 
 _OPEN_STORES = weakref.WeakSet()
