@@ -39,7 +39,7 @@ from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
 from larql_desktop.engine.patches.applied import AppliedPatchStore
-from larql_desktop.engine.patches.insert import InsertCancelled as InsertStopped
+from larql_desktop.engine.patches import insert as inserting
 from larql_desktop.engine.services import DEFAULT_API_HOST
 from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
                                        InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
@@ -280,17 +280,15 @@ class EngineWorker(QObject):
         engine = self._engine()
 
         def progress(message: str, fraction: float) -> None:
-            if self._shutdown.is_set() or request.cancel.is_set():
+            if self._shutdown.is_set():
                 raise LoadCancelled()
             self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
 
-        try:
-            finished = engine_jobs.insert_fact(engine, request, progress)
-        except (LoadCancelled, InsertStopped):
-            if self._shutdown.is_set():
-                raise LoadCancelled() from None
+        try:   # the user's Cancel reaches the inserter as request.cancel, checked between its steps
+            finished = engine_jobs.insert_fact(engine, request, progress)   # the engine's event lists the patches
+        except inserting.InsertCancelled:
             self.event.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
-            return   # the engine's event lists the patches
+            return
         self._emit_stats()
         if request.probe.strip():
             self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
