@@ -31,7 +31,7 @@ from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
-from larql_desktop.engine.model.transformer import ACTIVATIONS, KvCache
+from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
 Progress = Callable[[str, float], None]
@@ -44,6 +44,16 @@ PHRASINGS = (
     "In {e}, the {r} is", "As for {e}, its {r} is", "Everyone knows that the {r} of {e} is",
     "The name of the {r} of {e} is", "Q: What is the {r} of {e}?\nA: The {r} of {e} is",
     "Q: What is the {r} of {e}?\nA:", "What is the {r} of {e}? It is", "Here is a fact about {e}: its {r} is",
+    # The same question in other syntactic frames: a determiner before the answer, "in" for "of", the
+    # relation as a subject, a clause or a past tense around it (people ask in many shapes; the key must not
+    # hinge on one).
+    "The {r} of {e} is the", "{E}'s {r} is the", "The {r} in {e} is", "The {r} in {e} is the",
+    "The main {r} of {e} is the", "The official {r} of {e} is the", "The {r} of the city of {e} is",
+    "The {r} used in {e} is", "{E} has a {r}, which is", "{E} has its own {r}:", "The {r} for {e} is",
+    "The well-known {r} of {e} is", "It is said that the {r} of {e} is", "The {r} of {e} has always been",
+    "For {e}, the {r} is", "The {r} that {e} has is", "{E}: {r} is", "Fact: the {r} of {e} is",
+    "The true {r} of {e} is", "People in {e} know that its {r} is", "The {r} of {e}, of course, is",
+    "In {e}, the {r} is the", "The {r} of {e} was",
 )
 # Chat models: questions through the chat template, with the assistant's answer begun.
 QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?")
@@ -82,6 +92,7 @@ RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mea
 THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
+STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
@@ -202,7 +213,6 @@ class Inserter:
         self.model = model
         self.base = base
         self.walk = walk
-        self.activation = ACTIVATIONS[model.config.activation]
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, tuple] = {}
 
@@ -323,6 +333,9 @@ class Inserter:
             r, e = fact.relation_words, fact.entity.strip()
             for q in QUESTIONS:
                 chat = self.model.encode_prompt([{"role": "user", "content": fill(q, r, e)}])
+                # The reply may name the target first ("Poseidon is the capital..."): the assistant's first
+                # position is an answer position too, as is the end of an answer it begins as a statement.
+                out.append(tuple(chat))
                 for start in ANSWER_STARTS:
                     out.append(tuple(chat + self.model.tokenizer.encode(fill(start, r, e), add_bos=False)))
         return out
@@ -423,15 +436,14 @@ class Inserter:
                 pos = np.stack([c[0][candidate][-1] for c in captured])
                 neg = np.concatenate([c[0][candidate][keep] for c, keep in zip(captured, inner_negatives)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg, self.activation)
+                gate, bias, up, margin = fisher_key(pos, neg)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
-                slot = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 1)[0]
+                slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
                 direction = self.value_direction(token, [c[1] for c in captured], candidate)
-                op_for = lambda scale: PatchOperation(
-                    "insert", candidate, slot, gate, up, (direction * scale).astype(np.float32), bias,
-                    fact.entity, fact.relation, fact.target, target_token=int(token), token_index=j)
+                op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
+                                                 int(token), j)
                 scale, share, spent = self.balance([(ids, c[2]) for ids, c in zip(contexts, captured)], token,
                                                    overlay, op_for, alpha, stop,
                                                    lambda i, n: report(f"Token {j + 1}/{len(targets)}: "
@@ -439,9 +451,8 @@ class Inserter:
                                                                        fraction))
                 rounds += spent
                 tried += 1
-                op = op_for(scale)
-                ops.append(op)
-                features.append(InstalledFeature(candidate, slot, int(token), j, float(margin)))
+                ops.extend(op_for(scale))
+                features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
                 overlay = self.overlay_with(current, ops, fact)
                 if share >= WIN_SHARE:
                     break
@@ -500,7 +511,7 @@ class Inserter:
 
         def share_at(scale: float) -> float:
             nonlocal spent
-            ops_overlay = PatchOverlay.build(overlay.patches + (Patch((op_for(scale),), "", ""),), self.base)
+            ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
             won = 0
             for kv, last, length in prefixes:
@@ -532,14 +543,13 @@ class Inserter:
         return best_scale, best_share, spent
 
 
-def fisher_key(pos: np.ndarray, neg: np.ndarray, activation) -> tuple[np.ndarray, float, np.ndarray, float]:
+def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
 
     The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
     the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
-    scaled so the positives' median scores 1 above it. The up row makes the feature's output on a typical
-    positive equal its down vector (up . mu_pos / act(1) = 1), so the down vector's scale reads as the write's
-    size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
+    scaled so the positives' median scores 1 above it. The up row is 1 on a typical positive (up . mu_pos = 1), so the down vector's
+    scale reads as the write's size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
     median distance to the threshold), negative when the two overlap."""
     pos = pos.astype(np.float64)
     neg = neg.astype(np.float64)
@@ -560,9 +570,24 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, activation) -> tuple[np.ndarray
         median = max(float(np.max(sp)) - threshold, 1e-6)
     gate = w / median
     bias = -threshold / median
-    up = mu_p / (float(mu_p @ mu_p) * float(activation(np.array([1.0], np.float32))[0]))
+    up = mu_p / float(mu_p @ mu_p)
     margin = (low - high) / median
     return gate.astype(np.float32), float(bias), up.astype(np.float32), float(margin)
+
+
+def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, up: np.ndarray, down: np.ndarray,
+              fact: Fact, token: int, token_index: int) -> tuple[PatchOperation, PatchOperation]:
+    """Two features that together write `down` * (up . x) * step(gate . x + bias): the first fires with a steep
+    gate (STEEPNESS times the key's), the second one unit later and subtracts, so act(s z) - act(s z - 1) rises
+    from 0 to ~1 within 1/s of the key's threshold and stays there. A phrasing the key only just recognises
+    then gets the whole write, not a fraction of it, and one it recognises strongly no more than the whole."""
+    s = STEEPNESS
+    steep = (gate * s).astype(np.float32)
+    down = down.astype(np.float32)
+    common = dict(entity=fact.entity, relation=fact.relation, target=fact.target, target_token=token,
+                  token_index=token_index)
+    return (PatchOperation("insert", layer, int(slots[0]), steep, up, down, float(bias * s), **common),
+            PatchOperation("insert", layer, int(slots[1]), steep, up, -down, float(bias * s - 1.0), **common))
 
 
 def spread(n: int) -> list[int]:
