@@ -18,6 +18,7 @@ from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES  # 
 from larql_desktop.engine.cache.keys import default_top_k  # noqa: E402
 from larql_desktop.qt.qt_collapse_lab import CollapseProgress  # noqa: E402
 from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
+from larql_desktop.qt.qt_frontier import FrontierProgress  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 from test_qt_panels import wait_for_stats  # noqa: E402
 
@@ -248,11 +249,16 @@ def test_frontier_view_runs_on_the_prompts_and_draws_the_bound(loaded, qtbot):
     bx, by = frontier.bound_line.getData()
     assert bx[0] == pytest.approx(result.bounds[0].hit_rate) and bx[0] >= result.points[1].hit_rate - 1e-9
     assert "nearest-neighbour bound: tau 0.999" in frontier.status.text()
-    # A long sweep stops at the next generation when asked.
+    # A long sweep stops at the next generation when asked: at most the design under way finishes.
     frontier.widths.setText("K,64,8,1")
     frontier.taus.setText("off,0.999,0.995,0.99")
+    progress = []
+    loaded.client.event.connect(lambda e: progress.append(e) if isinstance(e, FrontierProgress) else None)
     frontier.run_button.click()
-    qtbot.waitUntil(lambda: "1/" in frontier.status.text() or not frontier.busy, timeout=REPLY_TIMEOUT)
+    qtbot.waitUntil(lambda: len(progress) >= 1 or not frontier.busy, timeout=REPLY_TIMEOUT)
     frontier.stop_button.click()
+    designs_at_stop = len(progress)
     qtbot.waitUntil(lambda: not frontier.busy, timeout=REPLY_TIMEOUT)
     assert frontier.status.text() == "Stopped." and frontier.result is result
+    assert 1 <= designs_at_stop and len(progress) <= designs_at_stop + 1 < progress[0].total
+    assert frontier.run_button.isEnabled() and not frontier.stop_button.isEnabled()
