@@ -216,7 +216,8 @@ class CollapseLab(QWidget):
         self.features.table.verticalHeader().setDefaultSectionSize(20)
         self.features.setMinimumHeight(60)
 
-        # Wide and short, as the bottom dock is: controls | charts | table, the status line under the last two.
+        # Wide and short, as the bottom dock is: controls | charts | table over features, the status line under
+        # the last two.
         # The whole panel scrolls below its (small) minimum size, and the controls on their own when the dock is
         # shorter than they are, so the panel never holds the window to a larger minimum than the monitor does.
         self.charts.setMinimumSize(200, 60)
