@@ -16,7 +16,6 @@ are its own, generated from the relation, so the file's paraphrases measure gene
 """
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,8 @@ from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchOverlay
+# What counts as answering: shared with the patch editor's probe table (services.fact_probes).
+from larql_desktop.engine.services import contains_word, starts_with_word
 
 Log = Callable[[str], None]
 
@@ -82,19 +83,6 @@ def read_facts(path: str | Path) -> tuple[list[EvalFact], tuple[str, ...]]:
     if not isinstance(controls, list) or not all(isinstance(c, str) and c.strip() for c in controls):
         raise ValueError(f"{path}: 'controls' must be a list of non-empty strings")
     return facts, tuple(controls)
-
-
-def starts_with_word(continuation: str, word: str) -> bool:
-    """The continuation begins with the whole word: not a prefix of it, not a longer word."""
-    text = continuation.lstrip()
-    if not text.startswith(word.strip()):
-        return False
-    rest = text[len(word.strip()):]
-    return not rest or not rest[0].isalnum()
-
-
-def contains_word(reply: str, word: str) -> bool:
-    return re.search(r"(?<![A-Za-z0-9])" + re.escape(word.strip()) + r"(?![a-z0-9])", reply) is not None
 
 
 class Decoder:
