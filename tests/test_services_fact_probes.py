@@ -70,6 +70,10 @@ def test_without_patches_every_row_is_unchanged(smollm2):
         assert r.after == r.before and r.p_after == r.p_before and r.answers_after == r.answers_before
         assert 0.0 <= r.p_before <= 1.0 and r.before.strip()
     assert not rows[0].answers_before                    # the base model does not know this fact
+    # The chat row's P(target) is read where the reply names the answer: after the assistant begins with the
+    # canonical sentence, not at the reply's first token.
+    answer_at = chat_prompt_ids(smollm2, QUESTION) + smollm2.tokenizer.encode(FACT.canonical_prompt, add_bos=False)
+    assert rows[-1].p_before == services.word_probability(engine, answer_at, FACT.target, PatchOverlay())
 
 
 def test_a_base_model_gets_a_qa_prompt_and_the_insert_answers_on_its_canonical_prompt(gemma_inserted):

@@ -124,7 +124,9 @@ class FactProbe:
     rendered: str             # what the model reads (for a chat row, the question through the chat template)
     before: str               # greedy continuation (a chat row: the reply) without patches
     after: str                # ... with the applied patches
-    p_before: float           # probability of the whole target word right after the prompt
+    # Probability of the whole target word right after the prompt; for a chat row, after the question and the
+    # assistant's answer begun with the canonical sentence (where a reply names the answer, not its first word).
+    p_before: float
     p_after: float
     answers_before: bool      # prompts: the continuation starts with the whole target; chat: the reply names it
     answers_after: bool
@@ -168,14 +170,16 @@ def fact_probes(engine, fact: Fact, paraphrases: Sequence[str] = (), tokens: int
     inserter = engine.inserter()
     tokenizer = engine.model.tokenizer
     n = max(tokens, len(inserter.target_tokens(fact.target)) + 2)
+    answer_start = tokenizer.encode(fact.canonical_prompt, add_bos=False)
     probes = []
     for kind, prompt, rendered, ids in fact_prompts(engine, fact, paraphrases):
         chat = kind == "chat"
         answers = contains_word if chat else starts_with_word
+        scored = list(ids) + answer_start if chat else ids
         halves = []
         for state in (PatchOverlay(), after):
             text = tokenizer.decode(inserter.greedy(ids, state, chat_tokens if chat else n))
-            halves.append((text, word_probability(engine, ids, fact.target, state), answers(text, fact.target)))
+            halves.append((text, word_probability(engine, scored, fact.target, state), answers(text, fact.target)))
         (before, p_before, ok_before), (patched, p_after, ok_after) = halves
         probes.append(FactProbe(kind, prompt, rendered, before, patched, p_before, p_after, ok_before, ok_after))
     return tuple(probes)

@@ -338,7 +338,7 @@ class PatchEditor(QWidget):
             self._insert_finished(event.request_id)
             self.progress.hide()
             self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
-                                        f"P(target) = {event.probability:.3f} on the fact's own prompt.")
+                                        f"P(first target token) = {event.probability:.3f} on the fact's own prompt.")
         elif isinstance(event, ProbeResult):
             self._show_probe(event)
         elif isinstance(event, FactProbed):
