@@ -105,6 +105,8 @@ def contains_word(reply: str, word: str) -> bool:
 def word_probability(engine, ids: Sequence[int], target: str, overlay: PatchOverlay) -> float:
     """Probability that the whole target word follows `ids` under `overlay`: the product over its tokens, each
     teacher-forced after the ones before it (one forward pass over the prompt and the target's first tokens)."""
+    if not ids:
+        raise ValueError("the prompt has no tokens")
     inserter = engine.inserter()
     targets = inserter.target_tokens(target)
     run = list(ids) + targets[:-1]

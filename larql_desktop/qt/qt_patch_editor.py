@@ -401,7 +401,7 @@ class PatchEditor(QWidget):
         self.last_probe = result
         rows = ((result.base_text, result.base_probability), (result.patched_text, result.patched_probability))
         for row, (text, p) in enumerate(rows):
-            item = QTableWidgetItem(" ".join(text.split("\n")))   # one line per cell; the tooltip has all
+            item = QTableWidgetItem(_one_line(text))   # one line per cell; the tooltip has all
             item.setToolTip(text)
             self.probe_table.setItem(row, 0, item)
             cell = QTableWidgetItem(_probability(p))

@@ -27,6 +27,7 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchOverlay
 # What counts as answering: shared with the patch editor's probe table (services.fact_probes).
@@ -100,7 +101,8 @@ class Decoder:
         return tuple(self.greedy(self.model.tokenizer.encode(prompt), overlay, n))
 
     def chat(self, question: str, overlay: PatchOverlay, n: int = CHAT_REPLY_TOKENS) -> tuple[int, ...]:
-        return tuple(self.greedy(self.model.encode_prompt([{"role": "user", "content": question}]), overlay, n))
+        # The question as a new chat tab sends it (the template's default system prompt).
+        return tuple(self.greedy(chat_prompt_ids(self.model, question), overlay, n))
 
     def decode(self, tokens) -> str:
         return self.model.tokenizer.decode(list(tokens))
