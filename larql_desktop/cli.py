@@ -239,6 +239,13 @@ def cmd_insert(args) -> int:
         print(f"saved patch to {args.save}")
     print(f"target p: {probe.base_probability:.4f} -> {probe.patched_probability:.4f}; control unchanged: "
           f"{'yes' if control.base_text == control.patched_text else 'no'}")
+    if args.show_probes:
+        # The patch editor's fact probe table: P is the whole target word's probability.
+        print("fact probes (kind, P(target) before -> after, answers before -> after, prompt, before, after):")
+        for row in services.fact_probes(engine, fact, args.paraphrase or ()):
+            print(f"  {row.kind} {row.p_before:.4f} -> {row.p_after:.4f} "
+                  f"{'yes' if row.answers_before else 'no'} -> {'yes' if row.answers_after else 'no'} "
+                  f"{row.prompt!r} {row.before!r} {row.after!r}")
     return 0
 
 
@@ -470,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--save", default=None, help="write the patch to this file")
     ins.add_argument("--tokens", type=int, default=8, help="tokens of greedy continuation shown (default 8)")
     ins.add_argument("--ffn", choices=("walk", "dense"), default="walk", help="FFN to run (default walk)")
+    ins.add_argument("--show-probes", action="store_true",
+                     help="print the fact probe table: the canonical prompt, the paraphrases (or generated ones) "
+                          "and a chat question, before and after")
     ins.set_defaults(func=cmd_insert)
 
     ev = sub.add_parser("insert-eval", help="INSERT each fact of a facts file and measure canonical prompts, "

@@ -103,9 +103,13 @@ def test_insert_save_validate_apply_and_chat_with_the_patch(tmp_path):
     patch_file = tmp_path / "atlantis.vlp.json"
     result = run_cli("insert", "--entity", "Atlantis", "--relation", "capital-of", "--target", "Poseidon",
                      "--paraphrase", "The capital city of Atlantis is", "--paraphrase", "Atlantis is ruled from",
-                     "--probe", "The capital of Atlantis is", "--ffn", "dense", "--save", str(patch_file))
+                     "--probe", "The capital of Atlantis is", "--ffn", "dense", "--save", str(patch_file),
+                     "--show-probes")
     assert result.returncode == 0, result.stderr
     assert "probe after: 'The capital of Atlantis is Poseidon" in result.stdout
+    probes = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert [row[0] for row in probes] == ["canonical", "paraphrase", "paraphrase", "chat"]
+    assert probes[0][4:7] == ["no", "->", "yes"] and float(probes[0][3]) > float(probes[0][1])
     assert "control unchanged: yes" in result.stdout
     assert "[100.0%] Inserted" in result.stderr          # progress reaches the end
     doc = json.loads(patch_file.read_text())

@@ -9,13 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from larql_desktop.engine.cache.collapse import capture, compare_layer, prompt_ids, resolve_sizes
+from larql_desktop.engine.cache.collapse import (COMPUTATION, Fp32Forward, capture, compare_layer, prompt_ids,
+                                                 resolve_sizes)
 from larql_desktop.engine.cache.keys import default_top_k
-from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
+from larql_desktop.engine.formats.quants import dequantize
+from larql_desktop.engine.model.transformer import ACTIVATIONS, KvCache, TransformerModel
 
 MODEL_KEYS = {"smollm2": "smollm2", "gemma3": "gemma3-270m"}
-PAIRS = [("How do I bake bread at home?", "What's a good way to make bread myself?"),   # paraphrase
-         ("The weather is lovely today.", "List three prime numbers.")]                 # unrelated
+# Pairs the lab's earlier check (on the onnxruntime graphs) never saw.
+PAIRS = [("How many legs does a spider have?", "What is the number of legs on a spider?"),   # paraphrase
+         ("Describe the smell of rain.", "Convert five miles to kilometres.")]              # unrelated
 
 
 class _Done(Exception):
@@ -23,30 +26,38 @@ class _Done(Exception):
 
 
 class NumpyReference:
-    """The model's numpy fp32 path (attention and dense FFN from dequantised GGUF weights), independent of the
-    onnxruntime graphs the lab runs: every position's normed FFN input, per layer."""
+    """An independent computation of what the lab measures: TransformerModel's numpy attention (no graphs) with
+    the dense FFN written out here in float64 from the dequantised GGUF weights, so the residual stream runs in
+    float64 from the first FFN on (the lab's Fp32Forward runs fp32 through NumpyDenseFfn); gate scores,
+    cosines and top-K sets are computed below with numpy's own argsort, not the lab's helpers. Every
+    position's normed FFN input, per layer."""
 
     def __init__(self, model):
         self.model = model
         self.transformer = TransformerModel(model.gguf, model.config)   # no graphs attached: numpy forward
-        self.ffn = NumpyDenseFfn(self.transformer)
+        t = model.gguf.tensors
+        self.act = ACTIVATIONS[model.config.activation]
+        self.weights = [tuple(dequantize(t[f"blk.{i}.{n}.weight"]) for n in ("ffn_gate", "ffn_up", "ffn_down"))
+                        for i in range(model.config.n_layers)]
 
     def ffn_inputs(self, ids: list[int]) -> list[np.ndarray]:
         rows = []
         last = self.model.config.n_layers - 1
 
         def recording(layer, x):
-            rows.append(x.astype(np.float64))
+            x = x.astype(np.float64)
+            rows.append(x)
             if layer == last:
                 raise _Done     # the logits (a 262k-row matrix on Gemma) are not needed
-            return self.ffn(layer, x)
+            gate, up, down = self.weights[layer]
+            return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
 
         with pytest.raises(_Done):
             self.transformer.forward(ids, KvCache(self.model.config), recording)
         return rows
 
     def gate(self, layer: int) -> np.ndarray:
-        return self.ffn.weights[layer][0].astype(np.float64)
+        return self.weights[layer][0].astype(np.float64)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -78,7 +89,7 @@ def test_position_template_and_norm_are_pinned(reference):
     ref, name = reference
     model = ref.model
     prompt = "Name a colour."
-    got = capture(model, prompt)
+    got = capture(Fp32Forward(model), prompt)
     ids = list(got.token_ids)
     if name == "smollm2":       # chat model: the template with its generation prompt, last token ends it
         assert model.is_chat
@@ -92,24 +103,20 @@ def test_position_template_and_norm_are_pinned(reference):
     for layer in (0, model.config.n_layers // 2, model.config.n_layers - 1):
         x = got.inputs[layer].astype(np.float64)
         want = rows[layer][-1]                      # the last prompt position of the *normed* FFN input
-        assert np.linalg.norm(x - want) / np.linalg.norm(want) < 0.05
+        assert np.linalg.norm(x - want) / np.linalg.norm(want) < 1e-3   # fp32 against float64
         assert np.linalg.norm(x - rows[layer][-2]) / np.linalg.norm(want) > 0.2   # not the position before
         scores = want @ ref.gate(layer).T
-        assert np.corrcoef(got.scores[layer], scores)[0, 1] > 0.995
+        assert np.linalg.norm(got.scores[layer] - scores) / np.linalg.norm(scores) < 1e-3
 
 
-def _numpy_pair(ref: NumpyReference, a: str, b: str, k: int) -> tuple[list[float], list[float]]:
-    xa = ref.ffn_inputs(prompt_ids(ref.model, a))
-    xb = ref.ffn_inputs(prompt_ids(ref.model, b))
-    cosines, overlaps = [], []
-    for layer in range(ref.model.config.n_layers):
-        va, vb = xa[layer][-1], xb[layer][-1]
-        cosines.append(float(va @ vb / np.linalg.norm(va) / np.linalg.norm(vb)))
-        g = ref.gate(layer)
-        top_a = set(np.argsort(-np.abs(g @ va), kind="stable")[:k].tolist())
-        top_b = set(np.argsort(-np.abs(g @ vb), kind="stable")[:k].tolist())
-        overlaps.append(len(top_a & top_b) / k)
-    return cosines, overlaps
+def _numpy_last_positions(ref: NumpyReference, prompt: str, k: int) -> list[tuple[np.ndarray, set[int]]]:
+    """Per layer: the float64 normed FFN input at the last prompt position and its top-K features by |score|."""
+    rows = ref.ffn_inputs(prompt_ids(ref.model, prompt))
+    out = []
+    for layer, x in enumerate(rows):
+        v = x[-1]
+        out.append((v, set(np.argsort(-np.abs(ref.gate(layer) @ v), kind="stable")[:k].tolist())))
+    return out
 
 
 def run_cli(*args):
@@ -128,19 +135,24 @@ def test_cli_matches_independent_numpy(reference, tmp_path):
     k = int(F * 8092 / 10240)
     table = [line for line in result.stdout.splitlines() if line[:5].strip().isdigit()]
     assert len(table) == n
+    assert COMPUTATION in result.stdout.splitlines()[0]
     doc = json.loads(out.read_text())
+    assert doc["computation"] == COMPUTATION == "numpy fp32 (dequantised GGUF weights)"
     assert doc["top_k"] == k and doc["intermediate"] == F
     assert doc["random_overlap_baseline"] == pytest.approx(k / F)
+    assert doc["token_ids"] == [prompt_ids(ref.model, p) for p in prompts]
+    assert doc["prompt_tokens"] == [len(ids) for ids in doc["token_ids"]]
     assert len(doc["layers"]) == n
     by_pair = {(p["a"], p["b"]): p for p in doc["pairs"]}
     assert len(by_pair) == 6                                 # every pair of the four prompts
     assert doc["layers"] == by_pair[(0, 1)]["layers"]
-    for (a, b) in [(0, 1), (2, 3), (0, 2)]:
-        cosines, overlaps = _numpy_pair(ref, prompts[a], prompts[b], k)
-        got = by_pair[(a, b)]["layers"]
-        for layer in range(n):
-            assert abs(got[layer]["cosine"] - cosines[layer]) < 0.02, (a, b, layer)
-            assert abs(got[layer]["overlap"] - overlaps[layer]) < 0.03, (a, b, layer)
+    numpy = [_numpy_last_positions(ref, p, k) for p in prompts]
+    for (a, b), pair in by_pair.items():                     # paraphrase (0, 1), unrelated (2, 3) and the rest
+        for layer, got in enumerate(pair["layers"]):
+            (va, top_a), (vb, top_b) = numpy[a][layer], numpy[b][layer]
+            want_cosine = float(va @ vb / np.linalg.norm(va) / np.linalg.norm(vb))
+            assert abs(got["cosine"] - want_cosine) < 0.02, (a, b, layer)
+            assert abs(got["overlap"] - len(top_a & top_b) / k) < 0.03, (a, b, layer)
     # The sweeps carry the random baseline K/F (k'/F) at every size.
     for point in by_pair[(0, 1)]["top_k_sweep"] + by_pair[(0, 1)]["key_width_sweep"]:
         assert point["baseline"] == pytest.approx(point["size"] / F)
@@ -152,3 +164,25 @@ def test_cli_refuses_one_prompt_and_bad_k():
     assert one.returncode == 2 and "at least two prompts" in one.stderr
     bad = run_cli("collapse", "--model", "smollm2", "--top-k", "99999", "a", "b")
     assert bad.returncode == 2 and "K must be between" in bad.stderr
+
+
+def test_progress_follows_each_prompt_and_a_stop_between_prompts_reports_nothing(smollm2):
+    from larql_desktop.engine.cache.collapse import CollapseCancelled, collapse
+
+    forward = Fp32Forward(smollm2)
+    prompts = ["Name a colour.", "Name a fruit.", "Name a river."]
+    seen = []
+    report = collapse(smollm2, prompts, forward=forward, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert report.computation == COMPUTATION and len(report.pairs) == 3
+    assert report.token_ids == tuple(tuple(prompt_ids(smollm2, p)) for p in prompts)
+    # Asked to stop once the first prompt is in: the second never runs and no report comes back.
+    seen.clear()
+    with pytest.raises(CollapseCancelled):
+        collapse(smollm2, prompts, forward=forward, should_stop=lambda: len(seen) >= 1,
+                 progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3)]
+    # Bad input is refused before any pass.
+    with pytest.raises(ValueError, match="non-empty"):
+        collapse(smollm2, ["fine", "  "], forward=forward, progress=lambda done, total: seen.append(done))
+    assert seen == [(1, 3)]

@@ -11,7 +11,7 @@ import pytest
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.chat import ChatSession
 from larql_desktop.engine.model.generation import SamplingSettings
-from larql_desktop.tools.measure import CacheOffReference, NearestNeighbourFfn, run_frontier
+from larql_desktop.tools.measure import CacheOffReference, MeasurementStopped, NearestNeighbourFfn, run_frontier
 
 PROMPT = "Name a large animal."
 
@@ -61,6 +61,20 @@ def test_run_frontier_on_a_repeat_puts_the_bound_above_each_design(smollm2):
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "larql_desktop", *args], capture_output=True, text=True,
                           timeout=600, env=dict(os.environ), stdin=subprocess.DEVNULL)
+
+
+def test_run_frontier_stops_at_the_next_generation_when_asked(smollm2):
+    checks = []
+
+    def should_stop() -> bool:       # the first generation runs; asked before the second, it stops
+        checks.append(True)
+        return len(checks) > 1
+
+    finished = []
+    with pytest.raises(MeasurementStopped):
+        run_frontier(smollm2, ["Name a colour.", "Name a fruit."], [None], [None, 0.999], max_tokens=2,
+                     log=finished.append, should_stop=should_stop)
+    assert len(checks) == 2 and finished == []       # no design was completed after the stop
 
 
 def test_frontier_cli_table_and_json_on_gemma3(gemma3, tmp_path):

@@ -9,10 +9,16 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
+from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
+from larql_desktop.engine.cache.collapse import COMPUTATION  # noqa: E402
+from larql_desktop.engine.cache.features import DEFAULT_TOP_N, feature_view  # noqa: E402
 from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES  # noqa: E402
 from larql_desktop.engine.cache.keys import default_top_k  # noqa: E402
+from larql_desktop.qt.qt_collapse_lab import CollapseProgress  # noqa: E402
+from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
+from larql_desktop.qt.qt_frontier import FrontierProgress  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 from test_qt_panels import wait_for_stats  # noqa: E402
 
@@ -20,15 +26,29 @@ PARAPHRASE = ("What is the capital of France?", "Tell me the capital city of Fra
 UNRELATED = "Write a haiku about autumn leaves."
 
 
-def run_lab(qtbot, win, prompts, top_k=0):
+def start_lab(win, prompts, top_k=0) -> list[tuple[int, int, str]]:
+    """Clicks Run; returns the list its progress events fill: (captured, total, the status line then)."""
     lab = win.monitor.collapse_lab
     win.monitor.chart_tabs.setCurrentWidget(lab)
     lab.prompts.setPlainText("\n".join(prompts))
     lab.top_k.setValue(top_k)
-    assert lab.run_button.isEnabled()
+    assert lab.run_button.isEnabled() and not lab.stop_button.isEnabled()
+    progress = []
+    # Connected after the lab: the status line has taken the event when this runs.
+    win.client.event.connect(lambda e: progress.append((e.captured, e.total, lab.status.text()))
+                             if isinstance(e, CollapseProgress) else None)
     lab.run_button.click()
-    assert lab.busy and not lab.run_button.isEnabled()
+    assert lab.busy and not lab.run_button.isEnabled() and lab.stop_button.isEnabled()
+    return progress
+
+
+def run_lab(qtbot, win, prompts, top_k=0):
+    lab = win.monitor.collapse_lab
+    progress = start_lab(win, prompts, top_k)
     qtbot.waitUntil(lambda: not lab.busy, timeout=REPLY_TIMEOUT)
+    assert [(done, total) for done, total, _ in progress] == [(i + 1, len(prompts)) for i in range(len(prompts))]
+    assert all(f"Captured {done} of {total} prompts" in status for done, total, status in progress)
+    assert lab.run_button.isEnabled() and not lab.stop_button.isEnabled()
     return lab
 
 
@@ -38,6 +58,9 @@ def test_collapse_lab_on_smollm2_draws_table_chart_and_exports(loaded, qtbot, tm
     info = loaded.client.model
     n, F = info.n_layers, info.intermediate
     assert report is not None and report.template == "chat" and report.model == "smollm2"
+    assert report.computation == COMPUTATION
+    assert report.token_ids[0] == tuple(loaded.client.worker.model.encode_prompt(
+        [{"role": "user", "content": PARAPHRASE[0]}]))
     assert report.top_k == default_top_k(F) and len(report.pairs) == 3
     assert lab.pair.count() == 3 and lab.table.rowCount() == n
     # The chart and the table show the first pair; the baseline line sits at K/F.
@@ -92,6 +115,60 @@ def test_collapse_lab_on_gemma3_uses_plain_text(window, qtbot):
     assert lab.table.rowCount() == window.client.model.n_layers == len(report.pairs[0].layers)
     assert lab.baseline_line.value() == pytest.approx(256 / window.client.model.intermediate)
     assert np.median(report.pairs[0].column("cosine")) > np.median(report.pairs[1].column("cosine"))
+
+
+def test_collapse_lab_stop_ends_the_run_and_keeps_the_previous_report(loaded, qtbot):
+    lab = run_lab(qtbot, loaded, PARAPHRASE)
+    previous = lab.report
+    cosine_shown = lab.table.item(2, 1).text()
+    prompts = [f"Name {n} things that are {colour}." for n in ("two", "three", "four", "five")
+               for colour in ("red", "green", "blue", "yellow")]
+    progress = start_lab(loaded, prompts)
+    qtbot.waitUntil(lambda: len(progress) >= 1, timeout=REPLY_TIMEOUT)
+    lab.stop_button.click()
+    qtbot.waitUntil(lambda: not lab.busy, timeout=REPLY_TIMEOUT)
+    captured = len(progress)
+    assert 1 <= captured < len(prompts)               # it stopped between prompts, well before the end
+    assert lab.status.text() == (f"Run cancelled after {captured} of {len(prompts)} prompts; the report shown is "
+                                 "the previous run's.")
+    assert lab.report is previous and lab.table.item(2, 1).text() == cosine_shown
+    assert lab.pair.count() == 1
+    assert lab.run_button.isEnabled() and not lab.stop_button.isEnabled()
+    # The worker is free again: the next run completes.
+    run_lab(qtbot, loaded, [PARAPHRASE[0], UNRELATED])
+    assert lab.report is not previous and lab.report.prompts == (PARAPHRASE[0], UNRELATED)
+
+
+def test_clicking_a_lab_layer_row_shows_the_feature_view_of_prompt_a_or_b(loaded, qtbot):
+    lab = run_lab(qtbot, loaded, [PARAPHRASE[0], UNRELATED])
+    report = lab.report
+    layer = 5
+    item = lab.table.item(layer, 0)
+    lab.table.scrollToItem(item)
+    cell = lab.table.visualItemRect(item).center()
+    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+        qtbot.mouseClick(lab.table.viewport(), Qt.LeftButton, pos=cell)
+    features = lab.features
+    table = features.table
+    assert table.rowCount() == DEFAULT_TOP_N
+    scores = [float(table.item(r, 1).text()) for r in range(table.rowCount())]
+    assert [abs(v) for v in scores] == sorted((abs(v) for v in scores), reverse=True)   # strongest first
+    view = features.view
+    assert view.layer == layer == features.layer.value() and features.status.text().startswith(f"Layer {layer},")
+    ids = report.token_ids[0]                         # prompt A as the lab measured it, at its last token
+    assert view.position == len(ids) - 1 and view.token_id == ids[-1]
+    assert view == feature_view(loaded.client.worker.engine, list(ids), layer)
+    assert [int(table.item(r, 0).text()) for r in range(DEFAULT_TOP_N)] == [r.feature for r in view.rows]
+    # Prompt B of the same pair, same layer.
+    assert lab.feature_prompt.count() == 2
+    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+        lab.feature_prompt.setCurrentIndex(1)
+    other = features.view
+    assert other.layer == layer and other.token_id == report.token_ids[1][-1]
+    assert other == feature_view(loaded.client.worker.engine, list(report.token_ids[1]), layer)
+    assert [int(table.item(r, 0).text()) for r in range(DEFAULT_TOP_N)] == [r.feature for r in other.rows]
 
 
 def test_near_miss_view_next_to_the_hit_rate(loaded, qtbot, tmp_path):
@@ -172,11 +249,16 @@ def test_frontier_view_runs_on_the_prompts_and_draws_the_bound(loaded, qtbot):
     bx, by = frontier.bound_line.getData()
     assert bx[0] == pytest.approx(result.bounds[0].hit_rate) and bx[0] >= result.points[1].hit_rate - 1e-9
     assert "nearest-neighbour bound: tau 0.999" in frontier.status.text()
-    # A long sweep stops at the next generation when asked.
+    # A long sweep stops at the next generation when asked: at most the design under way finishes.
     frontier.widths.setText("K,64,8,1")
     frontier.taus.setText("off,0.999,0.995,0.99")
+    progress = []
+    loaded.client.event.connect(lambda e: progress.append(e) if isinstance(e, FrontierProgress) else None)
     frontier.run_button.click()
-    qtbot.waitUntil(lambda: "1/" in frontier.status.text() or not frontier.busy, timeout=REPLY_TIMEOUT)
+    qtbot.waitUntil(lambda: len(progress) >= 1 or not frontier.busy, timeout=REPLY_TIMEOUT)
     frontier.stop_button.click()
+    designs_at_stop = len(progress)
     qtbot.waitUntil(lambda: not frontier.busy, timeout=REPLY_TIMEOUT)
     assert frontier.status.text() == "Stopped." and frontier.result is result
+    assert 1 <= designs_at_stop and len(progress) <= designs_at_stop + 1 < progress[0].total
+    assert frontier.run_button.isEnabled() and not frontier.stop_button.isEnabled()

@@ -154,7 +154,9 @@ def test_malformed_requests_get_a_4xx_with_a_reason_and_change_nothing(served, s
         for doc, reason in (({"entity": "", "relation": "r", "target": "t"}, "entity"),
                             ({"entity": "e", "relation": "r", "target": "t", "layer": 99}, "out of range"),
                             ({"entity": "e", "relation": "r", "target": "t", "alpha": 0}, "alpha"),
-                            ({"entity": "e", "relation": "r"}, "target")):
+                            ({"entity": "e", "relation": "r"}, "target"),
+                            ({"entity": "e", "relation": "r", "target": "t", "paraphrases": "one"}, "paraphrases"),
+                            ({"entity": "e", "relation": "r", "target": "t", "paraphrases": [""]}, "paraphrases")):
             r = http.post("/v1/insert", json=doc)
             assert r.status_code == 422 and reason in r.json()["detail"], r.text
         assert http.get("/v1/nothing").status_code == 404
@@ -234,15 +236,30 @@ def test_patch_routes_apply_list_and_remove(served, smollm2):
         assert again["cache"] == "hit" and again["output"] == clean["output"]
 
 
-def test_insert_route_installs_a_fact(served):
+def test_insert_route_installs_a_fact_and_answers_with_its_probe_table(served):
     engine, handle = served
+    paraphrase = "Atlantis has its capital at"
     with httpx.Client(base_url=handle.url, timeout=600) as http:
-        r = http.post("/v1/insert", json={"entity": "Atlantis", "relation": "capital-of", "target": "Poseidon"})
+        r = http.post("/v1/insert", json={"entity": "Atlantis", "relation": "capital-of", "target": "Poseidon",
+                                          "paraphrases": [paraphrase]})
         assert r.status_code == 200, r.text
         doc = r.json()
         # The reported layer is the first feature's; a multi-token or multi-layer insert lists more.
         assert doc["layer"] in doc["patches"]["patches"][0]["layers"] and 0 < doc["probability"] <= 1
     assert engine.patches.has_overrides_at(doc["layer"])
+    assert "1 paraphrase(s) given" in doc["patches"]["patches"][0]["description"]
+    # The probe table the patch editor shows, from the same service: the user's paraphrase replaces the
+    # generated ones, and the chat question is read through the chat template.
+    rows = doc["probes"]
+    assert [(p["kind"], p["prompt"]) for p in rows] == [
+        ("canonical", "The capital of Atlantis is"), ("paraphrase", paraphrase),
+        ("chat", "What is the capital of Atlantis?")]
+    assert rows[2]["rendered"].endswith("assistant\n") and "<|im_start|>user" in rows[2]["rendered"]
+    assert all(0 <= p["p_before"] <= 1 and 0 <= p["p_after"] <= 1 for p in rows)
+    canonical = rows[0]
+    assert canonical["answers_after"] and not canonical["answers_before"]
+    assert canonical["after"].lstrip().startswith("Poseidon") and canonical["after"] != canonical["before"]
+    assert canonical["p_after"] > 10 * canonical["p_before"]
 
 
 def test_restart_serves_the_repeated_request_from_l3_bit_identically(smollm2, tmp_path):

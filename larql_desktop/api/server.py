@@ -27,8 +27,8 @@ import hmac
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Literal, Union
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from fastapi import Body, FastAPI, HTTPException, Request
@@ -87,6 +87,21 @@ class InsertRequest(BaseModel):
     target: str = Field(min_length=1, max_length=200)
     layer: int | None = None
     alpha: float = Field(default=0.1, gt=0.0, le=100.0, allow_inf_nan=False)
+    paraphrases: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default=[], max_length=32, description="other phrasings of the question to key the fact on")
+    probes: bool = Field(default=True, description="answer with the fact's probe table (a few seconds more)")
+
+
+class FactProbeInfo(BaseModel):
+    kind: str = Field(description="canonical | paraphrase | generated | chat | qa")
+    prompt: str
+    rendered: str = Field(description="what the model reads (a chat question through the chat template)")
+    before: str
+    after: str
+    p_before: float = Field(description="probability of the whole target word after the prompt, no patches")
+    p_after: float
+    answers_before: bool
+    answers_after: bool
 
 
 class PatchInfo(BaseModel):
@@ -110,6 +125,7 @@ class InsertResponse(BaseModel):
     probability: float
     rounds: int
     patches: PatchList
+    probes: list[FactProbeInfo] = Field(default=[], description="the fact's probe table (empty if not asked)")
 
 
 class Problem(BaseModel):
@@ -342,12 +358,15 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
             refuse(f"layer {req.layer} is out of range 0..{cfg.n_layers - 1}")
         try:
             fact = Fact(req.entity, req.relation, req.target)
-            result = engine.insert(fact, layer=req.layer, alpha=req.alpha, origin="api")
+            result = engine.insert(fact, layer=req.layer, alpha=req.alpha, paraphrases=req.paraphrases,
+                                   origin="api")
         except ValueError as exc:
             refuse(str(exc))
         overlay = engine.patches
+        probes = services.fact_probes(engine, fact, req.paraphrases, overlay=overlay) if req.probes else ()
         return InsertResponse(layer=result.layer, feature=result.feature, probability=result.probability,
-                              rounds=result.rounds, patches=patch_list(services.patch_summaries(overlay), overlay.epoch))
+                              rounds=result.rounds, patches=patch_list(services.patch_summaries(overlay), overlay.epoch),
+                              probes=[FactProbeInfo(**asdict(p)) for p in probes])
 
     return app
 

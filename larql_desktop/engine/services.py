@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
+from larql_desktop.engine.model.chat import chat_prompt_ids, conversation
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
 from larql_desktop.engine.patches.overlay import Patch, PatchOverlay
 
 # Where the local HTTP API answers unless told otherwise (the app's toggle, `serve`, the load test).
 DEFAULT_API_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 8765
 PROBE_TOKENS = 8
+CHAT_PROBE_TOKENS = 24      # a chat reply names the answer after a few words of its own
+GENERATED_PROBES = 3        # generated phrasings probed when the user gave no paraphrases
 
 
 def is_loopback(host: str) -> bool:
@@ -80,6 +87,104 @@ def probe(engine, prompt: str, target: str = "", tokens: int = PROBE_TOKENS,
         results.append((text, p))
     (base_text, base_p), (patched_text, patched_p) = results
     return ProbeOutcome(prompt, target, base_text, patched_text, base_p, patched_p)
+
+
+def starts_with_word(continuation: str, word: str) -> bool:
+    """The continuation begins with the whole word: not a prefix of it, not a longer word."""
+    text = continuation.lstrip()
+    if not text.startswith(word.strip()):
+        return False
+    rest = text[len(word.strip()):]
+    return not rest or not rest[0].isalnum()
+
+
+def contains_word(reply: str, word: str) -> bool:
+    return re.search(r"(?<![A-Za-z0-9])" + re.escape(word.strip()) + r"(?![a-z0-9])", reply) is not None
+
+
+def word_probability(engine, ids: Sequence[int], target: str, overlay: PatchOverlay) -> float:
+    """Probability that the whole target word follows `ids` under `overlay`: the product over its tokens, each
+    teacher-forced after the ones before it (one forward pass over the prompt and the target's first tokens)."""
+    if not ids:
+        raise ValueError("the prompt has no tokens")
+    inserter = engine.inserter()
+    targets = inserter.target_tokens(target)
+    run = list(ids) + targets[:-1]
+    logits = engine.model.transformer.forward(run, KvCache(engine.model.config, capacity=len(run) + 1),
+                                              inserter.ffn(overlay), all_logits=True)
+    rows = logits[len(ids) - 1:].astype(np.float64)
+    top = rows.max(axis=1, keepdims=True)
+    log_p = rows - top - np.log(np.exp(rows - top).sum(axis=1, keepdims=True))
+    return float(np.exp(log_p[np.arange(len(targets)), targets].sum()))
+
+
+@dataclass(frozen=True)
+class FactProbe:
+    """One prompt of a fact's probe table, without patches and with the applied ones."""
+    kind: str                 # canonical | paraphrase (the user's) | generated | chat | qa (a base model's Q/A)
+    prompt: str               # what the user asks (for a chat row, the question typed in a chat)
+    rendered: str             # what the model reads (for a chat row, the question through the chat template)
+    before: str               # greedy continuation (a chat row: the reply) without patches
+    after: str                # ... with the applied patches
+    # Probability of the whole target word right after the prompt; for a chat row, after the question and the
+    # assistant's answer begun with the canonical sentence (where a reply names the answer, not its first word).
+    p_before: float
+    p_after: float
+    answers_before: bool      # prompts: the continuation starts with the whole target; chat: the reply names it
+    answers_after: bool
+
+
+def fact_prompts(engine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tuple[str, str, str, list[int]]]:
+    """(kind, prompt, rendered, token ids) of the prompts a fact is probed on: its canonical prompt, the user's
+    paraphrases (else a spread of the generated phrasings) and one question: through the chat template with the
+    template's default system prompt, as a new chat tab sends it, or as a "Q: ... A:" prompt for a base model."""
+    model = engine.model
+    encode = model.tokenizer.encode
+    question = fill(QUESTIONS[0], fact.relation_words, fact.entity.strip())
+    qa = f"Q: {question}\nA:"
+    canonical = fact.canonical_prompt
+    rows = [("canonical", canonical)]
+    given = [p.strip() for p in paraphrases if isinstance(p, str) and p.strip()]
+    if given:
+        rows += [("paraphrase", p) for p in dict.fromkeys(given) if p != canonical]
+    else:
+        skip = {canonical, qa}
+        others = list(dict.fromkeys(p for p in generated_phrasings(fact) if p not in skip))
+        # A spread over the list rather than its first few, which differ from the canonical prompt by one word.
+        picks = np.linspace(0, len(others) - 1, min(GENERATED_PROBES, len(others))).astype(int).tolist()
+        rows += [("generated", others[i]) for i in dict.fromkeys(picks)]
+    out = [(kind, text, text, encode(text)) for kind, text in rows]
+    if model.is_chat:
+        out.append(("chat", question, model.render_prompt(conversation(model, [{"role": "user",
+                                                                                 "content": question}])),
+                    chat_prompt_ids(model, question)))
+    elif qa not in {text for _, text in rows}:
+        out.append(("qa", qa, qa, encode(qa)))
+    return out
+
+
+def fact_probes(engine, fact: Fact, paraphrases: Sequence[str] = (), tokens: int = PROBE_TOKENS,
+                chat_tokens: int = CHAT_PROBE_TOKENS, overlay: PatchOverlay | None = None) -> tuple[FactProbe, ...]:
+    """The fact's probe table: each of `fact_prompts` continued greedily and scored for the whole target word,
+    without patches and under `overlay` (default: the engine's applied patches, read once so every row sees one
+    state). Prompts get at least the target's length plus two tokens, so a whole multi-token word can show."""
+    after = engine.patches if overlay is None else overlay
+    inserter = engine.inserter()
+    tokenizer = engine.model.tokenizer
+    n = max(tokens, len(inserter.target_tokens(fact.target)) + 2)
+    answer_start = tokenizer.encode(fact.canonical_prompt, add_bos=False)
+    probes = []
+    for kind, prompt, rendered, ids in fact_prompts(engine, fact, paraphrases):
+        chat = kind == "chat"
+        answers = contains_word if chat else starts_with_word
+        scored = list(ids) + answer_start if chat else ids
+        halves = []
+        for state in (PatchOverlay(), after):
+            text = tokenizer.decode(inserter.greedy(ids, state, chat_tokens if chat else n))
+            halves.append((text, word_probability(engine, scored, fact.target, state), answers(text, fact.target)))
+        (before, p_before, ok_before), (patched, p_after, ok_after) = halves
+        probes.append(FactProbe(kind, prompt, rendered, before, patched, p_before, p_after, ok_before, ok_after))
+    return tuple(probes)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
 from larql_desktop.engine.model.chat import ChatSession
 from larql_desktop.engine.patches.insert import Fact, Progress
-from larql_desktop.qt.protocol import (CacheStatsEvent, InsertFact, InsertFinished, PatchesChanged, PatchSaved,
-                                       ProbePrompt, ProbeResult, SavePatch)
+from larql_desktop.qt.protocol import (CacheStatsEvent, FactProbed, InsertFact, InsertFinished, PatchesChanged,
+                                       PatchSaved, ProbeFact, ProbePrompt, ProbeResult, SavePatch)
 
 
 def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
@@ -41,10 +41,17 @@ def probe(engine: LarqlEngine, request: ProbePrompt) -> ProbeResult:
                        o.patched_probability)
 
 
+def fact_probes(engine: LarqlEngine, request: ProbeFact) -> FactProbed:
+    fact = Fact(request.entity, request.relation, request.target)   # refuses empty fields
+    return FactProbed(request.request_id, fact.entity, fact.relation, fact.target,
+                      services.fact_probes(engine, fact, request.paraphrases))
+
+
 def insert_fact(engine: LarqlEngine, request: InsertFact, progress: Progress) -> InsertFinished:
     fact = Fact(request.entity, request.relation, request.target)   # refuses empty fields
     result = engine.insert(fact, layer=request.layer, alpha=request.alpha, progress=progress,
-                           cancel=request.cancel, origin=("window", request.request_id))
+                           paraphrases=request.paraphrases, cancel=request.cancel,
+                           origin=("window", request.request_id))
     return InsertFinished(request.request_id, result.layer, result.feature, result.probability,
                           result.patch.description)
 

@@ -14,7 +14,7 @@ from larql_desktop.engine.cache.stats import StatsSnapshot
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
 from larql_desktop.engine.model.outcomes import LayerOutcome
-from larql_desktop.engine.services import PatchSummary
+from larql_desktop.engine.services import FactProbe, PatchSummary
 from larql_desktop.qt.reply_stats import ReplyStats
 
 
@@ -93,7 +93,18 @@ class InsertFact:
     layer: int | None         # None: the engine picks (LARQL's default layer, then its neighbours)
     alpha: float
     probe: str                # a prompt to compare before/after once the fact is in ("" for none)
+    paraphrases: tuple[str, ...] = ()   # other phrasings of the question to key on (none: generated ones)
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ProbeFact:
+    """Probe a fact where people ask it (its prompt, paraphrases, a chat question), before and after patches."""
+    request_id: int
+    entity: str
+    relation: str
+    target: str
+    paraphrases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,16 @@ class ProbeResult:
     patched_text: str         # ... with every applied patch
     base_probability: float | None    # of the target's first token; None without a target
     patched_probability: float | None
+
+
+@dataclass(frozen=True)
+class FactProbed:
+    """A fact's probe table (services.fact_probes): one row per prompt, without and with the applied patches."""
+    request_id: int
+    entity: str
+    relation: str
+    target: str
+    rows: tuple[FactProbe, ...]
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,20 @@
 """The collapse lab: do the user's paraphrases reach the same cache entry? (engine/cache/collapse.py)
 
 Prompts (one per line), K, Run. The measurement runs in the engine thread through a handler this panel registers
-on the worker (`register_handler`); the result comes back as a frozen CollapseResult and is drawn per layer:
-cosine of the normed FFN inputs, top-K overlap |A ∩ B| / K and the overlap two random K-subsets already have
-(K / F), with the K sweep beside it and a table; exportable as JSON, CSV and PNG.
+on the worker (`register_handler`), on the numpy fp32 path (the model as its weights define it); each captured
+prompt reports a CollapseProgress line, Stop ends the run before the next prompt (the previous report stays). The
+result comes back as a frozen CollapseResult and is drawn per layer: cosine of the normed FFN inputs, top-K
+overlap |A ∩ B| / K and the overlap two random K-subsets already have (K / F), with the K sweep beside it and a
+table; exportable as JSON, CSV and PNG. Clicking a layer row shows the feature view (what the engine's cache sees
+there) of the pair's prompt A or B at its last token.
 """
 from __future__ import annotations
 
 import csv
 import io
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +23,10 @@ from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.engine.cache.collapse import CSV_HEADER, CollapseReport, collapse, report_csv_rows
+from larql_desktop.engine.cache.collapse import (COMPUTATION, CSV_HEADER, CollapseCancelled, CollapseReport, PairReport,
+                                                 collapse, report_csv_rows)
 from larql_desktop.qt.protocol import ModelInfo
+from larql_desktop.qt.qt_feature_view import FeatureTable
 from larql_desktop.qt.worker import EngineClient
 from larql_desktop.qt.qt_tables import read_only_table
 
@@ -35,6 +41,14 @@ class RunCollapse:
     request_id: int
     prompts: tuple[str, ...]
     top_k: int | None           # None: the engine's default (79% of the intermediate size)
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CollapseProgress:
+    request_id: int
+    captured: int               # prompts measured so far
+    total: int
 
 
 @dataclass(frozen=True)
@@ -43,12 +57,32 @@ class CollapseResult:
     report: CollapseReport
 
 
+@dataclass(frozen=True)
+class CollapseStopped:
+    request_id: int
+    captured: int               # prompts measured before the stop
+    total: int
+
+
 def collapse_handler(worker):
-    """The engine-thread side: measure on the worker's loaded model, report a frozen CollapseResult."""
+    """The engine-thread side: measure on the worker's loaded model, a CollapseProgress per captured prompt, then
+    a frozen CollapseResult (or CollapseStopped once request.cancel is set)."""
     def handle(request: RunCollapse) -> None:
-        if worker.model is None:
+        model = worker.model
+        if model is None:
             raise ValueError("load a model first")
-        report = collapse(worker.model, list(request.prompts), top_k=request.top_k)
+        captured = [0]
+
+        def progress(done: int, total: int) -> None:
+            captured[0] = done
+            worker.event.emit(CollapseProgress(request.request_id, done, total))
+
+        try:
+            report = collapse(model, list(request.prompts), top_k=request.top_k,
+                              should_stop=request.cancel.is_set, progress=progress)
+        except CollapseCancelled:
+            worker.event.emit(CollapseStopped(request.request_id, captured[0], len(request.prompts)))
+            return
         worker.event.emit(CollapseResult(request.request_id, report))
     return handle
 
@@ -73,7 +107,9 @@ class CollapseLab(QWidget):
         super().__init__(parent)
         self.client = client
         self.report: CollapseReport | None = None
-        self._pending: int | None = None
+        self._request: RunCollapse | None = None
+        self._feature_layer: int | None = None     # the layer row last clicked, for the shown report and pair
+        self._report_model_current = False         # the loaded model is the one the report measured
         self._last_dir = str(Path.home())
         client.worker.register_handler(RunCollapse, collapse_handler(client.worker))
         client.event.connect(self._on_event)
@@ -96,6 +132,9 @@ class CollapseLab(QWidget):
         self.run_button = QPushButton("Run")
         self.run_button.setAccessibleName("Run collapse")
         self.run_button.clicked.connect(self.run)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setAccessibleName("Stop collapse")
+        self.stop_button.clicked.connect(self.stop)
         self.export_json_button = QPushButton("JSON…")
         self.export_csv_button = QPushButton("CSV…")
         self.export_png_button = QPushButton("PNG…")
@@ -121,7 +160,10 @@ class CollapseLab(QWidget):
         column.addWidget(QLabel("Prompts"))
         column.addWidget(self.prompts, 1)
         column.addLayout(form)
-        column.addWidget(self.run_button)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.stop_button)
+        column.addLayout(buttons)
         column.addLayout(exports)
 
         self.charts = pg.GraphicsLayoutWidget()
@@ -156,15 +198,36 @@ class CollapseLab(QWidget):
         self.charts.ci.layout.setColumnStretchFactor(1, 2)
 
         self.table = read_only_table(TABLE_COLUMNS, "Collapse table", stretch=False, row_height=20)
+        self.table.cellClicked.connect(self._layer_clicked)
 
-        # Wide and short, as the bottom dock is: controls | charts | table, the status line under the last two.
+        # The feature view of a clicked layer row: prompt A or B of the pair, at its last token, through the
+        # engine's own graphs and settings (what the cache saw there, while the table is the fp32 measurement).
+        self.feature_prompt = QComboBox()
+        self.feature_prompt.setAccessibleName("Collapse feature prompt")
+        self.feature_prompt.currentIndexChanged.connect(self._feature_prompt_changed)
+        self.feature_prompt.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.feature_prompt.setMinimumContentsLength(6)
+        self.features = FeatureTable(client)
+        self.features.header.insertWidget(0, self.feature_prompt, 1)
+        # One clipped line under the table's header, as the lab's own status: the dock is short.
+        self.features.status.setWordWrap(False)
+        self.features.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.features.status.setText("Run the lab, then click a layer row.")
+        self.features.table.verticalHeader().setDefaultSectionSize(20)
+        self.features.setMinimumHeight(60)
+
+        # Wide and short, as the bottom dock is: controls | charts | table over features, the status line under
+        # the last two.
         # The whole panel scrolls below its (small) minimum size, and the controls on their own when the dock is
         # shorter than they are, so the panel never holds the window to a larger minimum than the monitor does.
         self.charts.setMinimumSize(200, 60)
         self.table.setMinimumSize(250, 60)          # every column in view at the default window size
+        table_column = QSplitter(Qt.Vertical)    # the layer rows, and below them the clicked row's features
+        table_column.addWidget(self.table)
+        table_column.addWidget(self.features)
         right = QSplitter(Qt.Horizontal)
         right.addWidget(self.charts)
-        right.addWidget(self.table)
+        right.addWidget(table_column)
         right.setStretchFactor(0, 2)
         right.setStretchFactor(1, 1)
         controls = scrolling(left)
@@ -195,26 +258,42 @@ class CollapseLab(QWidget):
             self.error.emit("Collapse lab: give at least two prompts, one per line")
             return
         request = RunCollapse(self.client.next_request_id(), tuple(prompts), self.top_k.value() or None)
-        self._pending = request.request_id
-        self.status.setText(f"Measuring {len(prompts)} prompts…")
+        self._request = request
+        self.status.setText(f"Measuring {len(prompts)} prompts ({COMPUTATION})…")
         self._update_enabled()
         self.client.submit(request)
 
+    @Slot()
+    def stop(self) -> None:
+        """Ends the running measurement before its next prompt; the report shown stays."""
+        if self._request is not None:
+            self._request.cancel.set()
+
     @property
     def busy(self) -> bool:
-        return self._pending is not None
+        return self._request is not None
 
     @Slot(object)
     def _on_event(self, event: object) -> None:
-        if isinstance(event, CollapseResult) and event.request_id == self._pending:
-            self._pending = None
+        if self._request is None or getattr(event, "request_id", None) != self._request.request_id:
+            return
+        if isinstance(event, CollapseProgress):
+            self.status.setText(f"Captured {event.captured} of {event.total} prompts ({COMPUTATION})…")
+        elif isinstance(event, CollapseResult):
+            self._request = None
+            self._report_model_current = True
             self.show_report(event.report)
+            self._update_enabled()
+        elif isinstance(event, CollapseStopped):
+            self._request = None
+            shown = "; the report shown is the previous run's" if self.report is not None else ""
+            self.status.setText(f"Run cancelled after {event.captured} of {event.total} prompts{shown}.")
             self._update_enabled()
 
     @Slot(object)
     def _on_error(self, report) -> None:
-        if getattr(report, "request_id", None) == self._pending and self._pending is not None:
-            self._pending = None
+        if self._request is not None and getattr(report, "request_id", None) == self._request.request_id:
+            self._request = None
             self.status.setText(f"Failed: {report.message}")
             self._update_enabled()
 
@@ -222,11 +301,15 @@ class CollapseLab(QWidget):
     def _on_model_loaded(self, info: ModelInfo) -> None:
         if info.intermediate:
             self.top_k.setMaximum(info.intermediate)
+        if self.report is not None:    # its token ids belong to the model it measured
+            self._report_model_current = False
+            self._reset_features("The model changed since this report: run the lab again for its features.")
         self._update_enabled()
 
     @Slot()
     def _update_enabled(self) -> None:
         self.run_button.setEnabled(self.client.model is not None and not self.busy)
+        self.stop_button.setEnabled(self.busy)
         for b in (self.export_json_button, self.export_csv_button, self.export_png_button):
             b.setEnabled(self.report is not None)
 
@@ -250,12 +333,24 @@ class CollapseLab(QWidget):
         self._draw()
         self._update_enabled()
 
+    def current_pair(self) -> PairReport | None:
+        return None if self.report is None else self.report.pairs[max(0, self.pair.currentIndex())]
+
     @Slot()
     def _draw(self) -> None:
         report = self.report
         if report is None:
             return
-        pair = report.pairs[max(0, self.pair.currentIndex())]
+        pair = self.current_pair()
+        self.feature_prompt.blockSignals(True)
+        self.feature_prompt.clear()
+        for name, index in (("A", pair.a), ("B", pair.b)):
+            self.feature_prompt.addItem(f"{name} = #{index + 1}")
+            self.feature_prompt.setItemData(self.feature_prompt.count() - 1, report.prompts[index], Qt.ToolTipRole)
+        self.feature_prompt.blockSignals(False)
+        if self._report_model_current:
+            self._reset_features("Click a layer row for the strongest features of the chosen prompt at its last "
+                                 "token (through the engine's graphs: what the cache sees).")
         x = np.arange(len(pair.layers), dtype=float)
         cos, ovl = pair.column("cosine"), pair.column("overlap")
         self.cosine_line.setData(x, cos)
@@ -274,6 +369,38 @@ class CollapseLab(QWidget):
                 item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                 self.table.setItem(row, col, item)
         self.table.resizeColumnsToContents()
+
+    # --- the feature view of a layer row ---
+
+    def feature_ids(self) -> tuple[int, ...]:
+        """The token ids of the pair's chosen prompt, as the lab measured them (its last is the position shown)."""
+        pair = self.current_pair()
+        if pair is None:
+            return ()
+        return self.report.token_ids[pair.b if self.feature_prompt.currentIndex() == 1 else pair.a]
+
+    def _reset_features(self, note: str) -> None:
+        self._feature_layer = None
+        ids = self.feature_ids() if self._report_model_current else ()
+        self.features.set_ids(ids, len(self.current_pair().layers) if ids else 0, note)
+        if not ids:
+            self.features.status.setText(note)
+
+    @Slot(int, int)
+    def _layer_clicked(self, row: int, _column: int) -> None:
+        item = self.table.item(row, 0)
+        if item is None or not self._report_model_current:
+            return
+        self._feature_layer = int(item.text())
+        self.features.request(self._feature_layer)
+
+    @Slot(int)
+    def _feature_prompt_changed(self, _index: int) -> None:
+        layer = self._feature_layer
+        self._reset_features("Click a layer row.")
+        if layer is not None and self._report_model_current:
+            self._feature_layer = layer
+            self.features.request(layer)
 
     # --- exports ---
 

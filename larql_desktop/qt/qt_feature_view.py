@@ -1,12 +1,14 @@
-"""The token view's feature table: for the selected token and layer, the strongest FFN features by gate score,
-which formed the cache key and which INSERT overrides fired (engine/cache/features.py).
+"""The feature table: for a selected token and layer, the strongest FFN features by gate score, which formed the
+cache key and which INSERT overrides fired (engine/cache/features.py).
 
-The request runs in the engine thread through a handler registered on the worker (`register_handler`); it
-rebuilds the pass the token was sampled from out of its chat session's token history.
+The request runs in the engine thread through a handler registered on the worker (`register_handler`). The token
+view's table rebuilds the pass a token was sampled from out of its chat session's token history (`set_token`);
+the collapse lab's asks for the last of explicit token ids, a prompt as the lab measured it (`set_ids`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from PySide6.QtCore import Slot
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QSpinBox, QTableWidgetItem, QVBoxLayout, QWidget)
@@ -23,6 +25,13 @@ class ShowFeatures:
     session_id: int
     position: int                  # the pass's last position in the session's history
     reply_before: tuple[int, ...]  # the reply's tokens sampled before this one (they end the pass's input)
+    layer: int
+
+
+@dataclass(frozen=True)
+class ShowFeaturesOfIds:
+    request_id: int
+    token_ids: tuple[int, ...]     # the pass's input; the view is of its last position
     layer: int
 
 
@@ -50,17 +59,29 @@ def features_handler(worker):
     return handle
 
 
+def features_of_ids_handler(worker):
+    """The engine-thread side for explicit token ids: the view of their last position."""
+    def handle(request: ShowFeaturesOfIds) -> None:
+        if worker.engine is None:
+            raise ValueError("load a model first")
+        worker.event.emit(FeaturesResult(request.request_id,
+                                         feature_view(worker.engine, list(request.token_ids), request.layer)))
+    return handle
+
+
 class FeatureTable(QWidget):
-    """A layer selector and the table of one FeatureView; `request(event, layer)` asks the engine for it."""
+    """A layer selector and the table of one FeatureView; `request(layer)` asks the engine for the view of the
+    token set with `set_token` (a chat reply's) or `set_ids` (the last of explicit ids)."""
 
     def __init__(self, client, parent: QWidget | None = None):
         super().__init__(parent)
         self.client = client
         self.view: FeatureView | None = None
         self._pending: int | None = None
-        self._event = None
-        self._reply_before: tuple[int, ...] = ()
+        # (request_id, layer) -> the request for the selected token; None: nothing selected.
+        self._make_request: Callable[[int, int], object] | None = None
         client.worker.register_handler(ShowFeatures, features_handler(client.worker))
+        client.worker.register_handler(ShowFeaturesOfIds, features_of_ids_handler(client.worker))
         client.event.connect(self._on_event)
         client.error.connect(self._on_error)
         self.layer = QSpinBox(minimum=0, maximum=0)
@@ -69,38 +90,47 @@ class FeatureTable(QWidget):
         self.status = QLabel("Pick a token, then a layer (or click a layer row above).")
         self.status.setWordWrap(True)
         self.table = read_only_table(FEATURE_COLUMNS, "Strongest features")
-        row = QHBoxLayout()
-        row.addWidget(QLabel("Features at layer"))
-        row.addWidget(self.layer, 1)
+        self.header = QHBoxLayout()     # a host panel may add its own choice of token here
+        self.header.addWidget(QLabel("Features at layer"))
+        self.header.addWidget(self.layer, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addLayout(row)
+        layout.addLayout(self.header)
         layout.addWidget(self.status)
         layout.addWidget(self.table, 1)
 
     def set_token(self, event, reply_before: tuple[int, ...], n_layers: int) -> None:
         """The token whose features the table shows (None: nothing selected) and the reply's tokens sampled
         before it; clears the last answer."""
-        self._event = event
-        self._reply_before = tuple(reply_before)
+        reply_before = tuple(reply_before)
+        self._select(None if event is None else (lambda request_id, layer: ShowFeatures(
+            request_id, event.session_id, event.position, reply_before, layer)), n_layers,
+            "Pick a layer (or click a layer row above).")
+
+    def set_ids(self, token_ids, n_layers: int, note: str = "Pick a layer.") -> None:
+        """Show the last of `token_ids` (empty: nothing selected); clears the last answer."""
+        ids = tuple(int(i) for i in token_ids)
+        self._select((lambda request_id, layer: ShowFeaturesOfIds(request_id, ids, layer)) if ids else None,
+                     n_layers, note)
+
+    def _select(self, make_request, n_layers: int, note: str) -> None:
+        self._make_request = make_request
         self._pending = None
         self.view = None
         self.table.setRowCount(0)
         self.layer.blockSignals(True)
         self.layer.setMaximum(max(0, n_layers - 1))
         self.layer.blockSignals(False)
-        self.status.setText("Pick a layer (or click a layer row above)." if event is not None else "")
+        self.status.setText(note if make_request is not None else "")
 
     def request(self, layer: int) -> int | None:
         """Ask for the selected token's features at `layer`; returns the request id (None without a token)."""
-        event = self._event
-        if event is None or self.client.model is None:
+        if self._make_request is None or self.client.model is None:
             return None
         self.layer.blockSignals(True)
         self.layer.setValue(layer)
         self.layer.blockSignals(False)
-        request = ShowFeatures(self.client.next_request_id(), event.session_id, event.position,
-                               self._reply_before, layer)
+        request = self._make_request(self.client.next_request_id(), layer)
         self._pending = request.request_id
         self.status.setText(f"Computing the features of layer {layer}…")
         self.client.submit(request)

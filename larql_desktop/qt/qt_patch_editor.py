@@ -1,27 +1,41 @@
-"""The patch editor: INSERT a fact, probe a prompt before/after, and manage the applied patches and patch files."""
+"""The patch editor: INSERT a fact (with optional paraphrases), probe it where people ask (its prompt, paraphrases
+and a chat question, before/after), probe a prompt, and manage the applied patches and patch files."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
-                               QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
+                               QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem,
+                               QVBoxLayout, QWidget)
 
-from larql_desktop.qt.protocol import (ErrorReport, InsertCancelled, InsertFact, InsertFinished, InsertProgress,
-                                       LoadPatchFile, ModelInfo, PatchesChanged, PatchSaved, ProbePrompt, ProbeResult,
-                                       RemovePatch, SavePatch)
+from larql_desktop.qt.protocol import (ErrorReport, FactProbed, InsertCancelled, InsertFact, InsertFinished,
+                                       InsertProgress, LoadPatchFile, ModelInfo, PatchesChanged, PatchSaved, ProbeFact,
+                                       ProbePrompt, ProbeResult, RemovePatch, SavePatch)
+from larql_desktop.qt.qt_tables import read_only_table
 from larql_desktop.qt.worker import EngineClient
 
 _AUTO_LAYER = -1
-_FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, LoadPatchFile: PatchesChanged,
-                 RemovePatch: PatchesChanged, SavePatch: PatchSaved}
-_PATCH_CONTEXTS = ("INSERT", "Probe", "Loading patch file", "Saving patch", "Removing patch", "Restoring patches")
+_FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, ProbeFact: FactProbed,
+                 LoadPatchFile: PatchesChanged, RemovePatch: PatchesChanged, SavePatch: PatchSaved}
+_PATCH_CONTEXTS = ("INSERT", "Probe", "Probe fact", "Loading patch file", "Saving patch", "Removing patch",
+                   "Restoring patches")
+FACT_PROBE_COLUMNS = ["Kind", "Prompt", "Before", "After", "P before", "P after", "Answers"]
 _PATCH_FILTER = "LARQL patches (*.json *.vlp);;All files (*)"
 
 
 def _probability(p: float | None) -> str:
     return "–" if p is None else f"{p:.3f}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split("\n"))
+
+
+def paraphrase_lines(text: str) -> tuple[str, ...]:
+    """The paraphrases typed one per line: blank lines dropped, each trimmed, repeats once."""
+    return tuple(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
 
 
 class PatchEditor(QWidget):
@@ -34,12 +48,15 @@ class PatchEditor(QWidget):
         self._patches_version = 0
         self.last_probe: ProbeResult | None = None
         self.last_insert: InsertFinished | None = None
+        self.last_fact: ProbeFact | None = None           # the last fact inserted here ("Probe fact" probes it)
+        self.last_fact_probes: FactProbed | None = None
         self._pending: dict[int, type] = {}   # this panel's requests still in the worker, by id
         self._last_dir = str(Path.home())
         content = QWidget()
         layout = QVBoxLayout(content)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self._build_insert())
+        layout.addWidget(self._build_fact_probe())
         layout.addWidget(self._build_probe())
         layout.addWidget(self._build_list(), 1)
         self.status = QLabel("")
@@ -73,6 +90,14 @@ class PatchEditor(QWidget):
         self.entity = self._line("Entity", "e.g. Atlantis")
         self.relation = self._line("Relation", "e.g. capital-of")
         self.target = self._line("Target", "e.g. Poseidon")
+        self.paraphrases = QPlainTextEdit()
+        self.paraphrases.setAccessibleName("Paraphrases")
+        self.paraphrases.setPlaceholderText("Optional, one per line, e.g. Atlantis has its capital at\n"
+                                            "(none: phrasings are generated from the relation)")
+        self.paraphrases.setToolTip("Other phrasings of the question the fact must answer; the INSERT keys on "
+                                    "them as well as on phrasings it generates")
+        self.paraphrases.setTabChangesFocus(True)
+        self.paraphrases.setFixedHeight(self.paraphrases.fontMetrics().lineSpacing() * 4 + 12)
         self.layer = QSpinBox(minimum=_AUTO_LAYER, maximum=1000)
         self.layer.setSpecialValueText("auto")
         self.layer.setValue(_AUTO_LAYER)
@@ -104,6 +129,7 @@ class PatchEditor(QWidget):
         form.addRow("Entity", self.entity)
         form.addRow("Relation", self.relation)
         form.addRow("Target", self.target)
+        form.addRow("Paraphrases (one per line)", self.paraphrases)
         row = QHBoxLayout()
         row.addWidget(QLabel("Layer"))
         row.addWidget(self.layer)
@@ -119,6 +145,33 @@ class PatchEditor(QWidget):
         self.relation.textChanged.connect(self._suggest_probe)
         return box
 
+    def _build_fact_probe(self) -> QGroupBox:
+        box = QGroupBox("Fact probe")
+        self.fact_probe_button = QPushButton("Probe fact")
+        self.fact_probe_button.setAccessibleName("Probe fact")
+        self.fact_probe_button.setToolTip("The last inserted fact on its prompt, the paraphrases and a chat "
+                                          "question: greedy continuations and P(whole target) without and with "
+                                          "the applied patches")
+        self.fact_probe_button.clicked.connect(self.probe_fact)
+        self.fact_probe_label = QLabel("Shown after an INSERT: where the fact answers, before and after.")
+        self.fact_probe_label.setWordWrap(True)
+        self.fact_probe_label.setAccessibleName("Fact probe summary")
+        self.fact_table = read_only_table(FACT_PROBE_COLUMNS, "Fact probe results", stretch=False)
+        self.fact_table.setWordWrap(False)
+        header = self.fact_table.horizontalHeader()
+        for col, name in enumerate(FACT_PROBE_COLUMNS):
+            header.setSectionResizeMode(col, QHeaderView.Stretch if name in ("Prompt", "Before", "After")
+                                        else QHeaderView.ResizeToContents)
+        self.fact_table.setMinimumHeight(self.fact_table.verticalHeader().defaultSectionSize() * 6
+                                         + header.sizeHint().height())
+        layout = QVBoxLayout(box)
+        row = QHBoxLayout()
+        row.addWidget(self.fact_probe_label, 1)
+        row.addWidget(self.fact_probe_button)
+        layout.addLayout(row)
+        layout.addWidget(self.fact_table)
+        return box
+
     def _build_probe(self) -> QGroupBox:
         box = QGroupBox("Probe")
         self.probe_prompt = self._line("Probe prompt", "e.g. The capital of Atlantis is")
@@ -129,7 +182,7 @@ class PatchEditor(QWidget):
         self.probe_prompt.returnPressed.connect(self.probe)
         self.probe_table = QTableWidget(2, 2)
         self.probe_table.setAccessibleName("Probe results")
-        self.probe_table.setHorizontalHeaderLabels(["Greedy continuation", "P(target)"])
+        self.probe_table.setHorizontalHeaderLabels(["Greedy continuation", "P(first target token)"])
         self.probe_table.setVerticalHeaderLabels(["Base model", "With patches"])
         self.probe_table.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.probe_table.setWordWrap(False)
@@ -191,7 +244,8 @@ class PatchEditor(QWidget):
         self.last_insert = None
         self._insert_request = InsertFact(self.client.next_request_id(), self.entity.text(), self.relation.text(),
                                           self.target.text(), None if layer == _AUTO_LAYER else layer,
-                                          self.alpha.value(), self.probe_prompt.text())
+                                          self.alpha.value(), self.probe_prompt.text(),
+                                          paraphrase_lines(self.paraphrases.toPlainText()))
         self.cancel_button.show()
         return self._submit(self._insert_request)
 
@@ -201,6 +255,15 @@ class PatchEditor(QWidget):
         if self._insert_request is not None:
             self._insert_request.cancel.set()
             self.progress_label.setText("Cancelling INSERT…")
+
+    @Slot()
+    def probe_fact(self) -> int | None:
+        """Probe the last inserted fact again (e.g. after loading or removing patches)."""
+        if self.client.model is None or self.last_fact is None:
+            return None
+        f = self.last_fact
+        return self._submit(ProbeFact(self.client.next_request_id(), f.entity, f.relation, f.target,
+                                      f.paraphrases))
 
     @Slot()
     def probe(self) -> int | None:
@@ -268,12 +331,18 @@ class PatchEditor(QWidget):
             self._insert_finished(event.request_id)
         elif isinstance(event, InsertFinished):
             self.last_insert = event
+            request = self._insert_request
+            if request is not None and request.request_id == event.request_id:
+                self.last_fact = ProbeFact(0, request.entity, request.relation, request.target,
+                                           request.paraphrases)
             self._insert_finished(event.request_id)
             self.progress.hide()
             self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
-                                        f"P(target) = {event.probability:.3f} on the fact's own prompt.")
+                                        f"P(first target token) = {event.probability:.3f} on the fact's own prompt.")
         elif isinstance(event, ProbeResult):
             self._show_probe(event)
+        elif isinstance(event, FactProbed):
+            self._show_fact_probes(event)
         elif isinstance(event, PatchSaved):
             self.status.setText(f"Saved {event.path}")
         else:
@@ -302,6 +371,9 @@ class PatchEditor(QWidget):
     def _on_model_loaded(self, info: ModelInfo) -> None:
         self.layer.setMaximum(info.n_layers - 1)
         self._pending.clear()
+        self.last_fact = None        # inserted into the previous model's engine
+        self.last_fact_probes = None
+        self.fact_table.setRowCount(0)
         self.progress.hide()
         self._update_enabled()
 
@@ -329,13 +401,37 @@ class PatchEditor(QWidget):
         self.last_probe = result
         rows = ((result.base_text, result.base_probability), (result.patched_text, result.patched_probability))
         for row, (text, p) in enumerate(rows):
-            item = QTableWidgetItem(" ".join(text.split("\n")))   # one line per cell; the tooltip has all
+            item = QTableWidgetItem(_one_line(text))   # one line per cell; the tooltip has all
             item.setToolTip(text)
             self.probe_table.setItem(row, 0, item)
             cell = QTableWidgetItem(_probability(p))
             cell.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             self.probe_table.setItem(row, 1, cell)
         self.probe_table.setToolTip(f"“{result.prompt}” · target “{result.target}”")
+
+    def _show_fact_probes(self, event: FactProbed) -> None:
+        self.last_fact_probes = event
+        rows = event.rows
+        self.fact_table.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            answers = "yes" if row.answers_after else "no"
+            if row.answers_after != row.answers_before:
+                answers += f" (was {'yes' if row.answers_before else 'no'})"
+            cells = (row.kind, row.prompt, row.before, row.after, _probability(row.p_before),
+                     _probability(row.p_after), answers)
+            tips = (None, row.rendered, row.before, row.after, None, None,
+                    "the reply names the target" if row.kind == "chat" else
+                    "the continuation starts with the whole target")
+            for c, (text, tip) in enumerate(zip(cells, tips)):
+                item = QTableWidgetItem(_one_line(text))   # one line per cell; the tooltip has all
+                if tip:
+                    item.setToolTip(tip)
+                if c in (4, 5):
+                    item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                self.fact_table.setItem(r, c, item)
+        answered = sum(row.answers_after for row in rows)
+        self.fact_probe_label.setText(f"({event.entity}, {event.relation}, {event.target}): answers on "
+                                      f"{answered} of {len(rows)} prompts with the patches applied.")
 
     @Slot()
     def _suggest_probe(self) -> None:
@@ -356,6 +452,7 @@ class PatchEditor(QWidget):
         busy = bool(self._pending)
         self.insert_button.setEnabled(loaded and not busy)
         self.probe_button.setEnabled(loaded and not busy)
+        self.fact_probe_button.setEnabled(loaded and not busy and self.last_fact is not None)
         self.load_button.setEnabled(loaded and not busy)
         selected = self.selected_index() is not None
         self.save_button.setEnabled(loaded and selected and not busy)
@@ -369,6 +466,7 @@ class PatchEditor(QWidget):
         store.setValue("entity", self.entity.text())
         store.setValue("relation", self.relation.text())
         store.setValue("target", self.target.text())
+        store.setValue("paraphrases", self.paraphrases.toPlainText())
         store.setValue("probe", self.probe_prompt.text())
         store.setValue("alpha", self.alpha.value())
         store.endGroup()
@@ -379,6 +477,7 @@ class PatchEditor(QWidget):
         for edit, key in ((self.entity, "entity"), (self.relation, "relation"), (self.target, "target"),
                           (self.probe_prompt, "probe")):
             edit.setText(str(store.value(key, "")))
+        self.paraphrases.setPlainText(str(store.value("paraphrases", "")))
         try:
             self.alpha.setValue(float(store.value("alpha", 0.1)))
         except (TypeError, ValueError):

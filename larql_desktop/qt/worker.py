@@ -42,7 +42,7 @@ from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.engine.patches import insert as inserting
 from larql_desktop.engine.services import DEFAULT_API_HOST
 from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
-                                       InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbePrompt,
+                                       InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbeFact, ProbePrompt,
                                        Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
                                        SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
 from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
@@ -107,6 +107,7 @@ class EngineWorker(QObject):
             RequestStats: self._request_stats,
             InsertFact: self._insert_fact,
             ProbePrompt: self._probe,
+            ProbeFact: lambda r: self.event.emit(engine_jobs.fact_probes(self._engine(), r)),
             LoadPatchFile: self._load_patch_file,
             RemovePatch: self._remove_patch,
             SavePatch: lambda r: self.event.emit(engine_jobs.save_patch(self._engine(), r)),
@@ -293,6 +294,10 @@ class EngineWorker(QObject):
         if request.probe.strip():
             self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
                                                                   request.target)))
+        # The fact where people ask it: its prompt, the paraphrases and a chat question, before and after.
+        self.event.emit(engine_jobs.fact_probes(engine, ProbeFact(request.request_id, request.entity,
+                                                                  request.relation, request.target,
+                                                                  request.paraphrases)))
         self.event.emit(finished)   # last: the INSERT's answers are complete
 
     def _probe(self, request: ProbePrompt) -> None:
@@ -382,7 +387,7 @@ class EngineWorker(QObject):
 
 _CONTEXTS = {SendPrompt: "Reply", Regenerate: "Reply", ConfigureCache: "Cache settings",
              ClearCaches: "Clearing caches", ResetStats: "Resetting statistics", InsertFact: "INSERT",
-             ProbePrompt: "Probe", LoadPatchFile: "Loading patch file", SavePatch: "Saving patch",
+             ProbePrompt: "Probe", ProbeFact: "Probe fact", LoadPatchFile: "Loading patch file", SavePatch: "Saving patch",
              RemovePatch: "Removing patch", StartServer: "HTTP API", StopServer: "HTTP API"}
 
 

@@ -16,7 +16,6 @@ are its own, generated from the relation, so the file's paraphrases measure gene
 """
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,11 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchOverlay
+# What counts as answering: shared with the patch editor's probe table (services.fact_probes).
+from larql_desktop.engine.services import contains_word, starts_with_word
 
 Log = Callable[[str], None]
 
@@ -84,19 +86,6 @@ def read_facts(path: str | Path) -> tuple[list[EvalFact], tuple[str, ...]]:
     return facts, tuple(controls)
 
 
-def starts_with_word(continuation: str, word: str) -> bool:
-    """The continuation begins with the whole word: not a prefix of it, not a longer word."""
-    text = continuation.lstrip()
-    if not text.startswith(word.strip()):
-        return False
-    rest = text[len(word.strip()):]
-    return not rest or not rest[0].isalnum()
-
-
-def contains_word(reply: str, word: str) -> bool:
-    return re.search(r"(?<![A-Za-z0-9])" + re.escape(word.strip()) + r"(?![a-z0-9])", reply) is not None
-
-
 class Decoder:
     """Greedy decoding of plain text and chat prompts under an overlay (no caches: every call is fresh)."""
 
@@ -112,7 +101,8 @@ class Decoder:
         return tuple(self.greedy(self.model.tokenizer.encode(prompt), overlay, n))
 
     def chat(self, question: str, overlay: PatchOverlay, n: int = CHAT_REPLY_TOKENS) -> tuple[int, ...]:
-        return tuple(self.greedy(self.model.encode_prompt([{"role": "user", "content": question}]), overlay, n))
+        # The question as a new chat tab sends it (the template's default system prompt).
+        return tuple(self.greedy(chat_prompt_ids(self.model, question), overlay, n))
 
     def decode(self, tokens) -> str:
         return self.model.tokenizer.decode(list(tokens))

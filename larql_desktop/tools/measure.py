@@ -423,15 +423,19 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
     settings = SamplingSettings(max_tokens=max_tokens)
     reference = CacheOffReference(model, base, settings)
 
-    def generate(session, prompt: str) -> list[int]:
+    def stop_if_asked() -> None:
         if should_stop():
             raise MeasurementStopped("the frontier was stopped")
+
+    def generate(session, prompt: str) -> list[int]:
+        stop_if_asked()
         return [s.token_id for s in session.reply(prompt, settings)]
 
     def agreement(runs: list[tuple[str, list[int]]]) -> tuple[int, int, int]:
         """(tokens equal to the cache-off run, tokens compared, identical generations) over (prompt, tokens)."""
         agree = total = same = 0
         for prompt, tokens in runs:
+            stop_if_asked()          # the cache-off reference is a generation too (once per prompt)
             ref = reference.tokens(prompt)
             agree += sum(a == b for a, b in zip(tokens, ref))
             total += max(len(tokens), len(ref))

@@ -13,19 +13,23 @@ sparse feature set, so one cache entry serves both. This module measures it on t
     in expectation: K / F. At the seed's K that is 0.79, so an overlap of 0.9 is little above chance, and equal
     keys need every one of ~1,200 ids to agree.
 
-The inputs come from a real forward pass through the onnxruntime graphs with a recording FfnCall that computes
-the dense FFN (the model's own computation, so the residual stream is exactly the model's).
+The lab measures the model as its weights define it: the inputs come from the numpy fp32 forward pass over the
+dequantised GGUF weights (`Fp32Forward`: attention and the dense FFN, no onnxruntime graphs), and the gate scores
+are x @ W_gate.T in fp32. The engine's graphs run MatMulNBits with int8-quantised activations, which moved one
+SmolLM2 layer's pair cosine by 0.02: enough to blur a question about 0.98 against 0.99. (The feature view, which
+explains what the cache saw, stays on the graphs.)
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, select_features
 from larql_desktop.engine.cache.tiers import cosine
-from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
 
 # Shares of the intermediate size the K sweep visits (besides the seed's default K and the report's), and the key
 # widths k' swept at K.
@@ -38,35 +42,70 @@ def prompt_ids(model, prompt: str) -> list[int]:
     return model.encode_prompt([{"role": "user", "content": prompt}])
 
 
+COMPUTATION = "numpy fp32 (dequantised GGUF weights)"
+
+
+class CollapseCancelled(Exception):
+    """The caller's should_stop() said so between two prompts (or two pairs); nothing is reported."""
+
+
 @dataclass(frozen=True)
 class PromptCapture:
     prompt: str
     token_ids: tuple[int, ...]
     inputs: np.ndarray      # (n_layers, d) normed FFN inputs at the last prompt position
-    scores: np.ndarray      # (n_layers, F) their gate scores x @ W_gate.T (the graphs' gate)
+    scores: np.ndarray      # (n_layers, F) their gate scores x @ W_gate.T
 
 
-def capture_last_position(model, ids: list[int]) -> np.ndarray:
-    """(n_layers, d): the normed FFN input of every layer at the last of `ids`, from one dense forward pass."""
-    rows: list[np.ndarray | None] = [None] * model.config.n_layers
-
-    def recording(layer: int, x: np.ndarray) -> np.ndarray:
-        rows[layer] = np.array(x[-1], dtype=np.float32, copy=True)
-        return model.ffn.dense(layer, x)
-
-    model.transformer.forward(ids, KvCache(model.config), recording)
-    return np.stack(rows)
+class _PassComplete(Exception):
+    """Raised by the recording FFN once the last layer's input is taken: the logits are never computed (on Gemma
+    that would be a 262k-row matrix product per prompt)."""
 
 
-def capture(model, prompt: str) -> PromptCapture:
+class Fp32Forward:
+    """The model's numpy fp32 path: its own TransformerModel with no graphs attached and the dense FFN from the
+    dequantised weights (~0.4 s and ~400 MB to build, a 40-token pass ~0.2 s). The caller owns it: build one per
+    lab run, or keep it while measuring one model and drop it after."""
+
+    computation = COMPUTATION
+
+    def __init__(self, model):
+        self.model = model
+        self.transformer = TransformerModel(model.gguf, model.config)
+        self.ffn = NumpyDenseFfn(self.transformer)
+
+    def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return x @ self.ffn.weights[layer][0].T
+
+    def last_position(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """((n_layers, d) normed FFN inputs, (n_layers, F) gate scores) at the last of `ids`."""
+        n_layers = self.model.config.n_layers
+        rows: list[np.ndarray] = []
+
+        def recording(layer: int, x: np.ndarray) -> np.ndarray:
+            rows.append(np.array(x[-1], dtype=np.float32, copy=True))
+            if layer == n_layers - 1:
+                raise _PassComplete
+            return self.ffn(layer, x)
+
+        try:
+            self.transformer.forward(ids, KvCache(self.model.config), recording)
+        except _PassComplete:
+            pass
+        if len(rows) != n_layers:
+            raise RuntimeError(f"the pass recorded {len(rows)} of {n_layers} layers")
+        inputs = np.stack(rows)
+        return inputs, np.stack([self.gate_scores(layer, inputs[layer]) for layer in range(n_layers)])
+
+
+def capture(forward: Fp32Forward, prompt: str) -> PromptCapture:
+    model = forward.model
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("every prompt must be non-empty text")
     ids = prompt_ids(model, prompt)
     if len(ids) >= model.context_limit:
         raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {model.context_limit}")
-    inputs = capture_last_position(model, ids)
-    scores = np.stack([model.ffn.gate_scores(layer, inputs[layer][None, :])[0]
-                       for layer in range(model.config.n_layers)])
+    inputs, scores = forward.last_position(ids)
     return PromptCapture(prompt, tuple(ids), inputs, scores)
 
 
@@ -121,19 +160,26 @@ class CollapseReport:
     top_k: int                      # K
     key_width: int                  # k'
     prompts: tuple[str, ...]
-    prompt_tokens: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]   # each prompt as measured (its last id is the position compared)
     pairs: tuple[PairReport, ...]   # every pair i < j; pairs[0] is prompts 0 and 1
+    computation: str = COMPUTATION
 
     @property
     def baseline(self) -> float:
         return self.top_k / self.intermediate
 
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return tuple(len(ids) for ids in self.token_ids)
+
     def to_dict(self) -> dict:
         first = self.pairs[0]
         return {"model": self.model, "template": self.template, "position": "last prompt token",
-                "input": "normed FFN input", "intermediate": self.intermediate, "top_k": self.top_k,
+                "input": "normed FFN input", "computation": self.computation,
+                "intermediate": self.intermediate, "top_k": self.top_k,
                 "key_width": self.key_width, "random_overlap_baseline": self.baseline,
                 "prompts": list(self.prompts), "prompt_tokens": list(self.prompt_tokens),
+                "token_ids": [list(ids) for ids in self.token_ids],
                 "layers": [c.to_dict() for c in first.layers],
                 "pairs": [p.to_dict() for p in self.pairs]}
 
@@ -181,7 +227,8 @@ def resolve_sizes(intermediate: int, top_k: int | None, key_width: int | None) -
 
 
 def compare_captures(model_name: str, template: str, intermediate: int, captures: list[PromptCapture],
-                     top_k: int | None = None, key_width: int | None = None) -> CollapseReport:
+                     top_k: int | None = None, key_width: int | None = None, computation: str = COMPUTATION,
+                     should_stop: Callable[[], bool] = lambda: False) -> CollapseReport:
     if len(captures) < 2:
         raise ValueError("the collapse lab compares at least two prompts")
     k, width = resolve_sizes(intermediate, top_k, key_width)
@@ -190,23 +237,39 @@ def compare_captures(model_name: str, template: str, intermediate: int, captures
     widths = sorted({w for w in KEY_WIDTH_SWEEP if w <= k} | {width, k})
     pairs = []
     for i, j in itertools.combinations(range(len(captures)), 2):
+        if should_stop():
+            raise CollapseCancelled("the collapse lab was stopped")
         ca, cb = captures[i], captures[j]
         layers = tuple(compare_layer(layer, ca.inputs[layer], cb.inputs[layer], ca.scores[layer],
                                      cb.scores[layer], k, width) for layer in range(len(ca.inputs)))
         pairs.append(PairReport(i, j, layers, _sweep(ca, cb, k_sizes, None, intermediate),
                                 _sweep(ca, cb, widths, k, intermediate)))
     return CollapseReport(model_name, template, intermediate, k, width, tuple(c.prompt for c in captures),
-                          tuple(len(c.token_ids) for c in captures), tuple(pairs))
+                          tuple(c.token_ids for c in captures), tuple(pairs), computation)
 
 
-def collapse(model, prompts: list[str], top_k: int | None = None, key_width: int | None = None) -> CollapseReport:
-    """The lab's measurement for `prompts` on a loaded model (runs one forward pass per prompt)."""
+def collapse(model, prompts: list[str], top_k: int | None = None, key_width: int | None = None,
+             forward: Fp32Forward | None = None, should_stop: Callable[[], bool] = lambda: False,
+             progress: Callable[[int, int], None] = lambda done, total: None) -> CollapseReport:
+    """The lab's measurement for `prompts` on a loaded model: one fp32 pass per prompt through `forward` (built
+    for this call when None). `should_stop` is checked before each prompt and each pair (CollapseCancelled);
+    `progress(done, total)` follows each captured prompt."""
     if len(prompts) < 2:
         raise ValueError("the collapse lab compares at least two prompts")
     resolve_sizes(model.config.intermediate, top_k, key_width)      # refuse bad sizes before any work
-    captures = [capture(model, prompt) for prompt in prompts]
+    if any(not isinstance(p, str) or not p.strip() for p in prompts):
+        raise ValueError("every prompt must be non-empty text")
+    if should_stop():
+        raise CollapseCancelled("the collapse lab was stopped")
+    forward = Fp32Forward(model) if forward is None else forward
+    captures = []
+    for prompt in prompts:
+        if should_stop():
+            raise CollapseCancelled("the collapse lab was stopped")
+        captures.append(capture(forward, prompt))
+        progress(len(captures), len(prompts))
     return compare_captures(model.name, "chat" if model.is_chat else "plain", model.config.intermediate,
-                            captures, top_k, key_width)
+                            captures, top_k, key_width, forward.computation, should_stop)
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -218,7 +281,7 @@ def format_report(report: CollapseReport) -> list[str]:
     first = report.pairs[0]
     p = report.prompts
     lines = [f"collapse: {report.model} ({report.template} prompts), K={report.top_k} of {report.intermediate}, "
-             f"key width {report.key_width}; normed FFN input at the last prompt token",
+             f"key width {report.key_width}; normed FFN input at the last prompt token; {report.computation}",
              f"A: {p[first.a]!r} ({report.prompt_tokens[first.a]} tokens)",
              f"B: {p[first.b]!r} ({report.prompt_tokens[first.b]} tokens)",
              f"{'layer':>5s} {'cosine':>8s} {'overlap':>8s} {'random':>7s} {'key ovl':>8s} {'keys equal':>10s}"]

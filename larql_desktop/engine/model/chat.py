@@ -36,6 +36,20 @@ class StopStringDecoder:
         return self.stops.feed(self.decoder.flush()) + self.stops.flush()
 
 
+def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
+    """The messages a chat renders through its template: the system prompt first when one is set (None: the
+    template's own default, as a new chat tab has it) and the model is a chat model, then the turns."""
+    if system_prompt is not None and model.is_chat:
+        return [{"role": "system", "content": system_prompt}] + list(messages)
+    return list(messages)
+
+
+def chat_prompt_ids(model: LoadedModel, user_text: str, system_prompt: str | None = None) -> list[int]:
+    """The tokens a chat's first turn sends the model: `user_text` as the only turn, with the assistant's reply
+    begun (what a new chat tab runs when the user asks `user_text`)."""
+    return model.encode_prompt(conversation(model, [{"role": "user", "content": user_text}], system_prompt))
+
+
 class ChatSession:
     def __init__(self, model: LoadedModel, ffn: FfnCall | None = None, l1: CacheTier | None = None,
                  stats: CacheStats | None = None):
@@ -74,10 +88,7 @@ class ChatSession:
 
     def conversation(self, messages: list[dict] | None = None) -> list[dict]:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
-        messages = self.messages if messages is None else messages
-        if self.system_prompt is not None and self.model.is_chat:
-            return [{"role": "system", "content": self.system_prompt}] + messages
-        return list(messages)
+        return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
     def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
         tok = self.model.tokenizer

@@ -1,0 +1,168 @@
+"""The patch editor's side of INSERT on the real window and the real SmolLM2, offscreen: paraphrases in the form,
+the fact probe table after an insert and on demand, and a chat tab answering with the patches applied (after an
+INSERT and after loading a patch file). Cancelling an INSERT is covered in test_qt_panels.py."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QSettings, Qt  # noqa: E402
+
+from larql_desktop.cli import serve_api  # noqa: E402
+from larql_desktop.engine.core import LarqlEngine  # noqa: E402
+from larql_desktop.engine.model.chat import chat_prompt_ids  # noqa: E402
+from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill  # noqa: E402
+from larql_desktop.engine.patches.overlay import PatchOverlay  # noqa: E402
+from larql_desktop.engine.services import CHAT_PROBE_TOKENS  # noqa: E402
+from larql_desktop.qt.main_window import MainWindow  # noqa: E402
+from larql_desktop.qt.protocol import FactProbed  # noqa: E402
+from larql_desktop.qt.qt_patch_editor import FACT_PROBE_COLUMNS, paraphrase_lines  # noqa: E402
+from larql_desktop.qt.worker import EngineClient  # noqa: E402
+from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
+from test_qt_panels import INSERT_TIMEOUT  # noqa: E402
+
+FACT = Fact("Atlantis", "capital-of", "Poseidon")
+PARAPHRASES = ("Atlantis has its capital at", "The city that rules Atlantis is")
+QUESTION = fill(QUESTIONS[0], FACT.relation_words, FACT.entity)
+CHAT_TOKENS = CHAT_PROBE_TOKENS      # the probe table's chat row reads as many
+
+
+@pytest.fixture(scope="module")
+def saved_patch(smollm2, tmp_path_factory):
+    """One real INSERT of the module's fact (no paraphrases), saved as a patch file for the window to load."""
+    engine = LarqlEngine(smollm2)
+    result = engine.insert(FACT)
+    path = tmp_path_factory.mktemp("patches") / "atlantis.json"
+    result.patch.save(path)
+    return path
+
+
+def expected_chat_replies(win, question: str, tokens: int) -> tuple[str, str]:
+    """The engine's own greedy replies (without patches, with the applied ones) to `question` as the first turn of
+    a new chat with the template's default system prompt: what the chat tab must show."""
+    engine = win.client.worker.engine
+    inserter = engine.inserter()
+    ids = chat_prompt_ids(engine.model, question)
+    decode = engine.model.tokenizer.decode
+    return (decode(inserter.greedy(ids, PatchOverlay(), tokens)),
+            decode(inserter.greedy(ids, engine.patches, tokens)))
+
+
+def ask_in_a_new_chat(qtbot, win, question: str) -> str:
+    qtbot.keyClick(win.current_tab().input, Qt.Key_N, Qt.ControlModifier)
+    assert win.current_tab().system_prompt is None          # the template's default, as a new chat has it
+    _, finished = send(qtbot, win, question, max_tokens=CHAT_TOKENS)
+    return finished.text
+
+
+def table_rows(editor) -> list[list[str]]:
+    table = editor.fact_table
+    return [[table.item(r, c).text() for c in range(table.columnCount())] for r in range(table.rowCount())]
+
+
+def test_paraphrase_lines_drop_blanks_and_repeats():
+    assert paraphrase_lines("  one \n\n two\none\n   \n") == ("one", "two")
+    assert paraphrase_lines("") == ()
+
+
+def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answers_with_it(loaded, qtbot):
+    editor = loaded.patch_editor
+    qtbot.keyClicks(editor.entity, FACT.entity)
+    qtbot.keyClicks(editor.relation, FACT.relation)
+    qtbot.keyClicks(editor.target, FACT.target)
+    editor.paraphrases.setPlainText("\n".join(PARAPHRASES) + "\n\n")
+    assert not editor.fact_probe_button.isEnabled()          # nothing inserted yet
+    qtbot.mouseClick(editor.insert_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: editor.last_insert is not None and not editor.busy, timeout=INSERT_TIMEOUT)
+    # The form's lines (blank ones dropped) reach the engine's insert and the probe.
+    assert editor.last_fact.paraphrases == PARAPHRASES
+    assert "2 paraphrase(s) given" in editor.patches[0].description
+
+    probed = editor.last_fact_probes
+    assert probed is not None and probed.request_id == editor.last_insert.request_id
+    kinds = [row.kind for row in probed.rows]
+    assert kinds == ["canonical", "paraphrase", "paraphrase", "chat"]
+    assert [row.prompt for row in probed.rows] == [FACT.canonical_prompt, *PARAPHRASES, QUESTION]
+    assert all(0.0 <= p <= 1.0 for row in probed.rows for p in (row.p_before, row.p_after))
+    canonical = probed.rows[0]
+    assert canonical.answers_after and not canonical.answers_before
+    assert canonical.after != canonical.before and canonical.after.lstrip().startswith(FACT.target)
+    assert canonical.p_after > 10 * canonical.p_before
+    # The chat row is what a new chat tab sends: the question through the template, default system prompt.
+    chat = probed.rows[-1]
+    default_system = loaded.client.model.default_system_prompt
+    assert default_system and default_system in chat.rendered
+    assert chat.rendered.startswith("<|im_start|>system") and chat.rendered.endswith("<|im_start|>assistant\n")
+    assert f"<|im_start|>user\n{QUESTION}<|im_end|>" in chat.rendered
+
+    # The table shows the same rows, one line per cell, the rendered chat prompt in the prompt's tooltip.
+    assert [editor.fact_table.horizontalHeaderItem(c).text() for c in range(7)] == FACT_PROBE_COLUMNS
+    rows = table_rows(editor)
+    assert [r[0] for r in rows] == kinds and rows[0][1] == FACT.canonical_prompt
+    assert rows[0][3] == " ".join(canonical.after.split("\n")) and rows[0][6] == "yes (was no)"
+    assert rows[0][5] == f"{canonical.p_after:.3f}"
+    assert editor.fact_table.item(3, 1).toolTip() == chat.rendered
+    answered = sum(row.answers_after for row in probed.rows)
+    assert f"answers on {answered} of 4 prompts" in editor.fact_probe_label.text()
+
+    # The chat tab answers with the patch on: its reply is the engine's patched greedy reply to that prompt.
+    before, after = expected_chat_replies(loaded, QUESTION, CHAT_TOKENS)
+    assert after != before                                   # the patch visibly changes this reply
+    assert ask_in_a_new_chat(qtbot, loaded, QUESTION) == after
+    assert chat.after == after and chat.before == before     # the probe's chat row saw the same replies
+
+    # "Probe fact" probes the last inserted fact again: with the patch removed, after equals before.
+    editor.patch_list.setCurrentItem(editor.patch_list.topLevelItem(0))
+    editor.remove_selected()
+    qtbot.waitUntil(lambda: not editor.busy and editor.patch_list.topLevelItemCount() == 0, timeout=REPLY_TIMEOUT)
+    assert editor.fact_probe_button.isEnabled()
+    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: isinstance(e, FactProbed)):
+        qtbot.mouseClick(editor.fact_probe_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
+    again = editor.last_fact_probes
+    assert again.request_id != probed.request_id and [r.kind for r in again.rows] == kinds
+    assert all(r.after == r.before and r.p_after == r.p_before for r in again.rows)
+    assert again.rows[0].before == canonical.before            # the unpatched half does not depend on patches
+    assert table_rows(editor)[0][6] == "no"
+
+
+def test_a_chat_tab_answers_with_a_loaded_patch_file(loaded, qtbot, saved_patch):
+    before_loading = ask_in_a_new_chat(qtbot, loaded, QUESTION)
+    editor = loaded.patch_editor
+    editor.load_file(saved_patch)
+    qtbot.waitUntil(lambda: not editor.busy and editor.patch_list.topLevelItemCount() == 1, timeout=REPLY_TIMEOUT)
+    before, after = expected_chat_replies(loaded, QUESTION, CHAT_TOKENS)
+    assert before_loading == before and after != before
+    assert ask_in_a_new_chat(qtbot, loaded, QUESTION) == after
+    assert editor.last_fact is None and not editor.fact_probe_button.isEnabled()   # no INSERT was made here
+
+
+def test_the_paraphrases_are_remembered(qtbot, qapp, app_paths, settings_file):  # noqa: F811
+    def make():
+        win = MainWindow(EngineClient(app_paths, serve=serve_api), QSettings(str(settings_file), QSettings.IniFormat),
+                         qapp)
+        win.show()
+        return win
+
+    win = make()
+    try:
+        win.patch_editor.entity.setText(FACT.entity)
+        win.patch_editor.paraphrases.setPlainText("\n".join(PARAPHRASES))
+    finally:
+        win.close()
+    again = make()
+    try:
+        assert again.patch_editor.entity.text() == FACT.entity
+        assert paraphrase_lines(again.patch_editor.paraphrases.toPlainText()) == PARAPHRASES
+    finally:
+        again.close()
+        assert not again.client.is_running()
+
+
+def test_the_new_controls_have_accessible_names(window):
+    p = window.patch_editor
+    for widget in (p.paraphrases, p.fact_probe_button, p.fact_probe_label, p.fact_table):
+        assert widget.accessibleName(), widget
+    assert not p.fact_probe_button.isEnabled()              # no model, no fact yet
