@@ -346,7 +346,9 @@ class Inserter:
         same_relation = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
                          "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
         for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
-            texts.append(fill(same_relation[i % len(same_relation)], r, other))
+            # Every other entity in the canonical form (the neighbour users ask most) and one more form.
+            texts.append(fill(same_relation[0], r, other))
+            texts.append(fill(same_relation[1 + i % (len(same_relation) - 1)], r, other))
         texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
         texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
         texts += GENERIC_SENTENCES
@@ -535,8 +537,11 @@ class Inserter:
                     middle = float(np.sqrt(previous * scale))
                     if share_at(middle) >= WIN_SHARE:
                         scale = middle
-                # A little headroom over the bare minimum, for phrasings it was not shown.
-                return scale * HEADROOM, share, spent
+                # A little headroom over the bare minimum, for phrasings it was not shown, unless the larger
+                # write already overshoots into another token.
+                if share_at(scale * HEADROOM) >= share:
+                    scale *= HEADROOM
+                return scale, share, spent
             if best_share > 0 and share < best_share / 2:
                 break        # overshooting: larger writes only lose more
             previous = scale
