@@ -93,6 +93,8 @@ THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the pos
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
+CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
+CONTINUATION_TOKENS = 10
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
@@ -352,6 +354,13 @@ class Inserter:
         texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
         texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
         texts += GENERIC_SENTENCES
+        # The model's own continuations of some of them: a feature must stay silent not only where a neighbour's
+        # prompt ends but all along the text the model writes after it ("The mayor of Paris is a politician
+        # who has been ..." has answer-like slots of its own).
+        continued = texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
+        texts += [text + self.model.tokenizer.decode(self.greedy(self.encode(text), PatchOverlay(),
+                                                                 CONTINUATION_TOKENS))
+                  for text in continued]
         # Earlier facts: this feature must not fire on their questions.
         for op in (op for p in current.patches for op in p.operations):
             if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
@@ -416,10 +425,9 @@ class Inserter:
         for j, token in enumerate(targets):
             base_fraction = 0.1 + 0.85 * j / len(targets)
             span = 0.85 / len(targets)
-            # Later tokens follow a distinctive prefix (the target's first tokens): a spread of the contexts
-            # keys them well enough, for a fraction of the forward passes.
-            contexts = [ids + tuple(targets[:j]) for ids in (positives if j == 0 else
-                                                             [positives[i] for i in spread(len(positives))])]
+            # Later tokens follow the target's first tokens in every phrasing: all of them, so the key learns
+            # the prefix in the entity's context rather than one sentence.
+            contexts = [ids + tuple(targets[:j]) for ids in positives]
             stop.check()
             if j > 0 and self.completes(*previous, targets[j - 1], token, overlay) >= WIN_SHARE:
                 continue          # the model completes the word itself once it has begun it
