@@ -20,6 +20,7 @@ Everything is forward passes and linear algebra: no gradient descent over the mo
 """
 from __future__ import annotations
 
+import re
 import threading
 from itertools import islice, takewhile
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ PHRASINGS = (
     "In {e}, the {r} is the", "The {r} of {e} was",
 )
 # Chat models: questions through the chat template, with the assistant's answer begun.
-QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?")
+QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?",
+             "What {r} does {e} have?", "Which {r} is in {e}?", "What is {e}'s {r}?")
 ANSWER_STARTS = ("The {r} of {e} is", "{E}'s {r} is")
 # Other entities under the same phrasings (their answers must not change), across kinds of entity.
 DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Canada", "Italy", "Kenya",
@@ -93,6 +95,8 @@ THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the pos
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
+OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
+COPULA = re.compile(r"\b(is|are|was|were)$")
 CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
 CONTINUATION_TOKENS = 10
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
@@ -324,23 +328,31 @@ class Inserter:
     def contexts(self, fact: Fact, paraphrases: Sequence[str]) -> list[tuple[int, ...]]:
         """Token contexts whose next token must be the target's first: the canonical prompt, the user's
         paraphrases, the generated phrasings and (chat models) chat questions with the answer begun."""
-        texts = [fact.canonical_prompt, *paraphrases, *generated_phrasings(fact)]
-        seen, out = set(), []
-        for text in texts:
-            ids = tuple(self.encode(text.rstrip()))
-            if ids not in seen:
-                seen.add(ids)
-                out.append(ids)
+        candidates = [tuple(self.encode(text.rstrip()))
+                      for text in (fact.canonical_prompt, *paraphrases, *generated_phrasings(fact))]
         if self.model.is_chat:
             r, e = fact.relation_words, fact.entity.strip()
             for q in QUESTIONS:
                 chat = self.model.encode_prompt([{"role": "user", "content": fill(q, r, e)}])
                 # The reply may name the target first ("Poseidon is the capital..."): the assistant's first
-                # position is an answer position too, as is the end of an answer it begins as a statement.
-                out.append(tuple(chat))
-                for start in ANSWER_STARTS:
-                    out.append(tuple(chat + self.model.tokenizer.encode(fill(start, r, e), add_bos=False)))
-        return out
+                # position is an answer position too, as is the end of an answer it begins as a statement,
+                # ours or the model's own.
+                candidates.append(tuple(chat))
+                starts = [self.model.tokenizer.encode(fill(start, r, e), add_bos=False) for start in ANSWER_STARTS]
+                candidates += [tuple(chat + start) for start in starts + [self.own_answer_start(chat, r)] if start]
+        return list(dict.fromkeys(candidates))
+
+    def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
+        """The start of the model's own reply to a chat question, up to the copula that introduces the answer
+        ("The language spoken in Quillmoor is"), when the reply restates the relation before it: the place
+        where this model, asked this way, would name the target. [] when its reply does not read so."""
+        reply = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS)
+        tok = self.model.tokenizer
+        for n in range(1, len(reply) + 1):
+            text = tok.decode(reply[:n])
+            if COPULA.search(text):
+                return reply[:n] if relation.lower() in text.lower() else []
+        return []
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
         r, e = fact.relation_words, fact.entity.strip()
