@@ -369,7 +369,8 @@ class Inserter:
         # The model's own continuations of some of them: a feature must stay silent not only where a neighbour's
         # prompt ends but all along the text the model writes after it ("The mayor of Paris is a politician
         # who has been ..." has answer-like slots of its own).
-        continued = texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
+        continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
+                     + list(GENERIC_SENTENCES[::5]) + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.model.tokenizer.decode(self.greedy(self.encode(text), PatchOverlay(),
                                                                  CONTINUATION_TOKENS))
                   for text in continued]
