@@ -6,14 +6,16 @@ first token. Here, per target token (each firing on the context that precedes it
   * keys: the normed FFN inputs at the answer position of many phrasings of the question (the user's
     paraphrases, ones generated from the relation, Q/A forms and, for chat models, the chat template with the
     assistant starting its answer) are the positives; every position of the same phrasings about other
-    entities, of the same entity under other relations, of plain text, of earlier facts, and the non-answer
-    positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
+    entities, of the same entity under other relations, of plain text, of earlier facts, of the model's own
+    continuations of some of them, and the non-answer positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
     between the two (a closed-form solve) with a bias at the middle of the margin, so the feature fires on the
     fact's meaning rather than on one sentence and stays silent elsewhere (where the overlay then computes
     exactly what the base model computes);
   * values: the direction that raises the target token's logit against the model's current candidates,
     through the final norm and the unembedding (and, on models with a post-FFN norm, through that norm),
-    scaled by a search over real forward passes until the target wins on the positives;
+    scaled by a search over real forward passes until the target wins on the positives; written by a pair of
+    features whose difference is a steep, saturating step of the key's score (`step_pair`), so a phrasing the
+    key only just recognises gets the whole write and a strongly recognised one no more;
   * several layers when one is not enough (a post-FFN norm bounds what one layer can write).
 
 Everything is forward passes and linear algebra: no gradient descent over the model's weights.
