@@ -26,15 +26,35 @@ def feature_key(feature_ids: np.ndarray) -> int:
     return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little")
 
 
+def _strongest(magnitudes: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest magnitudes, ascending; at a tie on the k-th value the lower indices win.
+
+    That is onnx TopK's rule (its spec, and onnxruntime's kernel: tests/test_ffn_cache.py checks it), so the
+    fused walk graph (graphs/ffn.py: TopK inside the graph) selects exactly the features this does. A plain
+    argpartition would pick among tied features arbitrarily."""
+    n = magnitudes.size
+    threshold = np.partition(magnitudes, n - k)[n - k]    # the k-th largest
+    at_least = magnitudes >= threshold                     # (NaN is never >=: NaN magnitudes rank last)
+    if np.count_nonzero(at_least) == k:                    # no tie straddles the k-th place: the usual case
+        return np.flatnonzero(at_least)
+    if np.isnan(magnitudes).any():   # an overflowed input: NaN ranked last, as a stable argsort ranks it
+        return np.sort(np.argsort(-magnitudes, kind="stable")[:k])
+    above = magnitudes > threshold
+    ties = np.flatnonzero(magnitudes == threshold)[:k - np.count_nonzero(above)]
+    above[ties] = True
+    return np.flatnonzero(above)
+
+
 def select_features(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the top-k features by |score| for one position (in no particular order)."""
+    """Indices of the top-k features by |score| for one position, ascending (ties: see `_strongest`)."""
     if k >= scores.size:
         return np.arange(scores.size)
-    return np.argpartition(-np.abs(scores), k - 1)[:k]
+    return _strongest(np.abs(scores), k)
 
 
 def key_features(scores: np.ndarray, selected: np.ndarray, width: int) -> np.ndarray:
-    """The `width` strongest of the selected features: what the cache key is built from."""
+    """The `width` strongest of the selected features: what the cache key is built from (ascending when
+    `selected` is, as select_features gives it; the same tie rule)."""
     if width >= selected.size:
         return selected
-    return selected[np.argpartition(-np.abs(scores[selected]), width - 1)[:width]]
+    return selected[_strongest(np.abs(scores[selected]), width)]

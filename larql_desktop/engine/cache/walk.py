@@ -108,6 +108,7 @@ class FfnGraphs(Protocol):
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+    def walk_top_k(self, layer: int, x: np.ndarray, k: int) -> np.ndarray: ...
 
 
 class WalkFfn(PassAwareFfn):
@@ -235,11 +236,24 @@ class WalkFfn(PassAwareFfn):
         for layer in range(self.graphs.config.n_layers):
             self._record(layer, "dense", None, bypass=bypass)
 
+    def _lookup_tiers(self) -> list:
+        """The enabled tiers, in lookup order (L1, L2, then L3)."""
+        tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
+        if self._l3_tier is not None and self._l3_tier.enabled:
+            tiers.append(self._l3_tier)
+        return tiers
+
+    def _selects_in_graph(self) -> bool:
+        """Every tier off and no INSERT override anywhere: nothing needs the scores or the selection in Python,
+        so each layer runs as one call of the top-K walk graph (selection and mask inside it)."""
+        return not self.patches.overridden_layers and not self._lookup_tiers()
+
     @property
     def takes_gate_scores(self) -> bool:
         """The walk starts from the gate scores: the model may hand them over from the layer graph's call
-        (`call_with_scores`) rather than have them computed by a call of their own."""
-        return not (self.settings.dense or self.full_k)
+        (`call_with_scores`) rather than have them computed by a call of their own. Not with the cache off:
+        then the top-K walk graph computes them itself."""
+        return not (self.settings.dense or self.full_k or self._selects_in_graph())
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self.call_with_scores(layer, x, None)
@@ -252,6 +266,11 @@ class WalkFfn(PassAwareFfn):
             out = self.dense(layer, x)
             self._record(layer, "dense", started, bypass=None if s.dense else "full_k")
             return out
+        tiers = self._lookup_tiers()
+        if scores is None and not tiers and self.patches.layer(layer) is None:
+            out = self.graphs.walk_top_k(layer, x, s.top_k)     # the same features and output as below
+            self._record(layer, "bypass", started, bypass="prefill" if x.shape[0] != 1 else "cache_off")
+            return out
         # Gate KNN: the base features compete exactly as in the base model (an overridden slot keeps its base
         # score in the ranking), so a patch never reshuffles which base features are selected.
         if scores is None:
@@ -260,9 +279,6 @@ class WalkFfn(PassAwareFfn):
         patched = self._patched(layer, x)
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
-        tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
-        if self._l3_tier is not None and self._l3_tier.enabled:
-            tiers.append(self._l3_tier)
         if x.shape[0] != 1:
             bypass = "prefill"
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
