@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from larql_desktop.engine.cache.keys import default_top_k, key_features, select_features
+from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, mask_key, select_features, select_mask
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.core import LarqlEngine
@@ -53,6 +53,33 @@ def test_select_features_breaks_ties_by_lower_index_and_returns_ascending_ids():
     assert select_features(scores, 4).tolist() == [0, 1, 2, 4]    # the |2| tie: id 0 before id 5
     chosen = select_features(scores, 5)
     assert key_features(scores, chosen, 2).tolist() == [1, 2]     # the key's k' strongest: the same rule
+
+
+def test_the_key_of_a_mask_is_the_key_of_its_ids():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        width = int(rng.integers(1, 3000))
+        mask = rng.random(width) < rng.random()
+        ids = np.flatnonzero(mask)
+        assert mask_key(mask) == feature_key(ids) == feature_key(rng.permutation(ids))
+        assert mask_key(np.concatenate([mask, np.zeros(int(rng.integers(1, 40)), bool)])) == mask_key(mask)
+        row = rng.integers(-3, 4, width).astype(np.float32)
+        assert np.array_equal(np.flatnonzero(select_mask(row, width // 2 + 1)), select_features(row, width // 2 + 1))
+    assert feature_key([0]) != feature_key([]) != feature_key([8]) != feature_key([0, 8])
+    assert feature_key(np.array([3, 900], np.int32)) == feature_key([900, 3])
+
+
+@pytest.mark.parametrize("key_width", [None, 40])
+def test_the_walk_keys_a_lookup_by_its_selected_features(smollm2, key_width):
+    cfg = smollm2.config
+    log = []
+    walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(key_width=key_width),
+                   LarqlEngine(smollm2).l2, None, (), key_log=log)
+    x = np.random.default_rng(6).standard_normal((1, cfg.hidden)).astype(np.float32)
+    scores = smollm2.ffn.gate_scores(4, x)
+    walk.call_with_scores(4, x, scores)
+    k, width = walk.settings.top_k, walk.settings.key_width
+    assert log == [(4, (walk.namespace(), feature_key(key_features(scores[0], select_features(scores[0], k), width))))]
 
 
 def test_nan_scores_rank_last():
