@@ -17,10 +17,11 @@ logged once per kind of problem, and then rebuilt (a corrupt SQLite file is move
 a lookup that fails is a miss and a write that fails is dropped. SQLite writes never run on the caller's thread:
 `put` queues the value (bounded; a full queue drops the write) and a background thread writes the queue in
 batched transactions on its own connection, so a store that is locked by another process, or a slow disk, delays
-only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction. A lookup whose key is
-not in the file does not read it either: the store keeps the addresses in the file in memory (`KeyIndex`, loaded
-when the file is opened, kept current by this process's writer and refreshed from other processes' inserts at
-most every REFRESH_EVERY seconds), so a miss costs a set lookup; a stale "absent" only costs a miss. Several processes share one SQLite file: a
+only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction.
+Nor does a lookup whose key is not in the file read it: the store keeps the file's addresses in memory
+(`KeyIndex`: loaded when the file is opened, kept current by this process's writer, refreshed from other
+processes' inserts at most every REFRESH_EVERY seconds), so a miss costs a set lookup, and a stale "absent"
+costs only a miss. Several processes share one SQLite file: a
 rebuild holds an exclusive lock on `<file>.lock` (opening holds it shared), a process moves the file aside only
 if it is still the file that process opened, and a process whose file was replaced under it (another process
 rebuilt it) reopens the new one instead of going on alone with the old.

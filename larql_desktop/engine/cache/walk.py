@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
-                                             select_features, select_mask)
+                                             select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
@@ -162,18 +162,13 @@ class WalkFfn(PassAwareFfn):
         for st in self.stats:
             st.record(layer, outcome, seconds, **kw)
 
-    def picks_for(self, scores: np.ndarray) -> list[np.ndarray]:
-        """Each position's top-K features, ascending (what a cache key is made from)."""
-        k = self.settings.top_k
-        return [select_features(row, k) for row in scores]
-
     def selection_mask(self, scores: np.ndarray) -> np.ndarray:
         """(T, F) 0/1 float mask of the top-K features per position: what the walk graph sums over."""
         k = self.settings.top_k
         return np.stack([select_mask(row, k) for row in scores]).astype(np.float32)
 
     def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(T, F) 0/1 mask of the top-K features per position, and each position's selection."""
+        """(T, F) 0/1 mask of the top-K features per position, and each position's selection (ascending ids)."""
         mask = self.selection_mask(scores)
         return mask, [np.flatnonzero(row) for row in mask]
 
