@@ -122,7 +122,8 @@ def test_cache_off_walk_runs_the_top_k_graph_and_matches_the_cached_path(smollm2
     off = LarqlEngine(smollm2, l1=OFF, l2=OFF).new_session().ffn
     cached = LarqlEngine(smollm2).new_session().ffn
     assert not off.takes_gate_scores            # the model runs the plain layer graph: no scores to hand over
-    assert cached.takes_gate_scores
+    assert not off.takes_gate_scores_for(1) and off.takes_gate_scores_for(56)   # prefill: the layer graph's
+    assert cached.takes_gate_scores and cached.takes_gate_scores_for(1)
     x = np.random.default_rng(3).standard_normal((1, cfg.hidden)).astype(np.float32)
     for layer in range(cfg.n_layers):
         out = off(layer, x)

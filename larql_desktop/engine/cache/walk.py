@@ -248,6 +248,14 @@ class WalkFfn(PassAwareFfn):
         then the top-K walk graph computes them itself."""
         return not (self.settings.dense or self.full_k or self._selects_in_graph())
 
+    def takes_gate_scores_for(self, rows: int) -> bool:
+        """Prefill takes the layer graph's scores even with the cache off: onnxruntime's TopK costs ~36 us a
+        row (56 rows: 2 ms per layer, more than the gate product and the Python selection together), so the
+        top-K walk graph runs only for decode (one row: ~10 us)."""
+        if self.settings.dense or self.full_k:
+            return False
+        return rows > 1 or self.takes_gate_scores
+
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self.call_with_scores(layer, x, None)
 
