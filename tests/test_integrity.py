@@ -280,7 +280,11 @@ def test_two_processes_rebuild_a_corrupt_store_once_and_go_on_sharing(tmp_path):
         if other.poll() is None:
             other.kill()
     assert last.startswith("0 ") and "'corrupt'" not in last and "replaced" in last
-    assert sum(here.get(0, NS, k) is not None for k in range(2000, 2100)) == 100    # ...which this one reads
+    # ...which this one reads, once it looks for other processes' inserts (within SqliteL3.REFRESH_EVERY)
+    deadline = time.monotonic() + 10.0
+    while here.get(0, NS, 2000) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(here.get(0, NS, k) is not None for k in range(2000, 2100)) == 100
     # Only the damaged file was moved aside, once: the rebuilt store stayed in place.
     assert (tmp_path / "l3.sqlite3.corrupt").read_bytes()[3 * 4096:] == garbage
     assert {p.name for p in tmp_path.glob("*.corrupt*")} <= {"l3.sqlite3.corrupt", "l3.sqlite3.corrupt-wal",

@@ -209,8 +209,73 @@ def test_another_process_shares_the_entries(open_store, tmp_path):
         "assert s.get(2, ('checksum', 100, 100, 'clean'), 7) is not None\n")
     store.put(2, NS, 7, _entry(7))
     subprocess.run([sys.executable, "-c", code, open_store.spec], check=True, timeout=60, cwd=tmp_path)
-    got = store.get(2, NS, 42)
+    # SQLite: this process learns of the other's inserts at its next look (within REFRESH_EVERY seconds).
+    deadline = time.monotonic() + 10.0
+    while (got := store.get(2, NS, 42)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert got is not None and (got.output == 0.5).all()
+
+
+_SECOND_WRITER = """
+import sys, numpy as np
+from larql_desktop.engine.cache.l3 import SqliteL3
+from larql_desktop.engine.cache.tiers import CacheEntry
+store = SqliteL3(sys.argv[1])
+for k in range(int(sys.argv[2]), int(sys.argv[3])):
+    store.put(k % 4, ("checksum", 100, 100, "clean"), k, CacheEntry(np.full(64, k, np.float32), np.ones(64, np.float32)))
+assert store.flush(30)
+store.close()
+"""
+
+
+def _write_from_another_process(path: Path, first: int, stop: int, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-c", _SECOND_WRITER, str(path), str(first), str(stop)], check=True,
+                   timeout=60, cwd=cwd, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_a_key_never_written_never_reads_the_file(tmp_path):
+    """Misses are answered by the in-memory index of the file's addresses; hits read the file (and verify)."""
+    path = tmp_path / "l3.sqlite3"
+    _write_from_another_process(path, 0, 40, tmp_path)
+    store = SqliteL3(path)
+    assert store.status()["indexed_keys"] == 40                       # loaded when the file was opened
+    assert all(store.get(k % 4, NS, k) is None for k in range(1000, 1500))
+    assert store.get(0, NS, 1) is None and store.get(1, NS, 0) is None   # a stored key, at another layer
+    assert store.get(0, ("checksum", 99, 99, "clean"), 0) is None       # another namespace
+    assert store.file_reads == 0
+    got = [store.get(k % 4, NS, k) for k in range(40)]
+    assert store.file_reads == 40 and all(e is not None and (e.output == k).all() for k, e in enumerate(got))
+    # This process's own writes: served from the queue, then from the file once committed, never missed.
+    store.put(2, NS, 5000, _entry(5))
+    assert store.get(2, NS, 5000) is not None
+    assert store.flush(30)
+    assert store.get(2, NS, 5000) is not None and store.file_reads == 41
+    store.clear()
+    assert store.get(0, NS, 0) is None and store.file_reads == 41 and store.status()["indexed_keys"] == 0
+    store.close()
+
+
+def test_another_process_s_inserts_are_served_after_a_refresh_and_a_deleted_key_is_forgotten(tmp_path):
+    path = tmp_path / "l3.sqlite3"
+    store = SqliteL3(path)
+    store.put(0, NS, 0, _entry(0))
+    assert store.flush(30)
+    _write_from_another_process(path, 100, 140, tmp_path)
+    reads = store.file_reads
+    deadline = time.monotonic() + 10.0
+    while store.get(100 % 4, NS, 100) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert time.monotonic() < deadline
+    assert all(store.get(k % 4, NS, k) is not None for k in range(100, 140))
+    assert store.file_reads - reads == 41          # each found key read once (and verified), no reads on misses
+    # Deleted by someone else: the one read that finds nothing drops it from the index.
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("DELETE FROM entries WHERE key = 120")
+    raw.close()
+    reads = store.file_reads
+    assert store.get(0, NS, 120) is None and store.get(0, NS, 120) is None
+    assert store.file_reads - reads == 1
+    store.close()
 
 
 # ------------------------------------------------------------------------------------------- failures

@@ -17,7 +17,11 @@ logged once per kind of problem, and then rebuilt (a corrupt SQLite file is move
 a lookup that fails is a miss and a write that fails is dropped. SQLite writes never run on the caller's thread:
 `put` queues the value (bounded; a full queue drops the write) and a background thread writes the queue in
 batched transactions on its own connection, so a store that is locked by another process, or a slow disk, delays
-only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction. Several processes share one SQLite file: a
+only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction.
+Nor does a lookup whose key is not in the file read it: the store keeps the file's addresses in memory
+(`KeyIndex`: loaded when the file is opened, kept current by this process's writer, refreshed from other
+processes' inserts at most every REFRESH_EVERY seconds), so a miss costs a set lookup, and a stale "absent"
+costs only a miss. Several processes share one SQLite file: a
 rebuild holds an exclusive lock on `<file>.lock` (opening holds it shared), a process moves the file aside only
 if it is still the file that process opened, and a process whose file was replaced under it (another process
 rebuilt it) reopens the new one instead of going on alone with the old.
@@ -258,6 +262,58 @@ def _close_quietly(conn: sqlite3.Connection | None) -> None:
             pass
 
 
+class KeyIndex:
+    """The addresses (ns, layer, key) in one SQLite file, in memory: what lets a miss skip the file.
+
+    Only "absent" is acted on, and a wrong "absent" (an insert by another process not yet seen, a reused rowid)
+    costs a miss, never a wrong value; a wrong "present" (evicted or deleted elsewhere) costs the read it saves
+    today and is dropped when that read finds nothing. Entries are held as Python hashes of the address (one
+    int each; a hash collision is a wrong "present"). Other processes' inserts are found by rowid: SQLite gives
+    a new row (INSERT OR REPLACE too) a rowid above every one in the table, so `rowid > seen` is what arrived
+    since the last look, read from the rows' leading columns (the values' overflow pages are not touched)."""
+
+    def __init__(self):
+        self._hashes: set[int] = set()
+        self._seen_rowid = 0
+        self._refreshed = 0.0
+
+    def __contains__(self, address: tuple[int, int, int]) -> bool:
+        return hash(address) in self._hashes
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def add(self, address: tuple[int, int, int]) -> None:
+        self._hashes.add(hash(address))
+
+    def discard(self, address: tuple[int, int, int]) -> None:
+        self._hashes.discard(hash(address))
+
+    def clear(self) -> None:
+        self._hashes = set()
+
+    def load(self, conn: sqlite3.Connection) -> None:
+        """Every address in the file (the primary key's index covers the scan: no value is read)."""
+        seen = int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM entries").fetchone()[0])   # first: a row
+        hashes = {hash(row) for row in conn.execute("SELECT ns, layer, key FROM entries")}     # added between
+        self._hashes, self._seen_rowid = hashes, seen                                           # is above it
+        self._refreshed = time.monotonic()
+
+    def due(self, every: float) -> bool:
+        return time.monotonic() - self._refreshed >= every
+
+    def refresh(self, conn: sqlite3.Connection) -> int:
+        """Add what was inserted since the last look (by any connection); returns how many rows that was."""
+        rows = conn.execute("SELECT rowid, ns, layer, key FROM entries WHERE rowid > ?",
+                            (self._seen_rowid,)).fetchall()
+        for rowid, ns, layer, key in rows:
+            self._hashes.add(hash((ns, layer, key)))
+            if rowid > self._seen_rowid:
+                self._seen_rowid = rowid
+        self._refreshed = time.monotonic()
+        return len(rows)
+
+
 class SqliteL3(L3Store):
     """L3 in one SQLite file (WAL). Thread-safe; several processes may open the same file.
 
@@ -272,6 +328,7 @@ class SqliteL3(L3Store):
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
     OCCUPANCY_EVERY = 2.0   # seconds between recounting per-layer occupancy (kept up to date in between)
+    REFRESH_EVERY = 0.5     # seconds between looks for other processes' inserts (KeyIndex.refresh)
 
     def __init__(self, path: str | Path, settings: L3Settings = L3Settings(), timeout: float = 0.1):
         super().__init__(settings)
@@ -297,6 +354,8 @@ class SqliteL3(L3Store):
         self._occ: dict[int, list[int]] | None = None
         self._occ_time = 0.0
         self._opened_id: tuple[int, int] | None = None    # the file (not the name) the connection has open
+        self._index = KeyIndex()      # addresses in the file; loaded with the lookup connection
+        self.file_reads = 0           # lookups that read the file (the rest were answered by the queue or index)
         with self._lock:
             self._open()
         _OPEN_STORES.add(self)
@@ -306,8 +365,15 @@ class SqliteL3(L3Store):
         return str(self.path)
 
     def _connect(self) -> sqlite3.Connection:
-        """The lookup connection (the file it opened is recorded before its schema is checked: _rebuild needs it)."""
-        return self._connect_file(lookups=True)[0]
+        """The lookup connection (the file it opened is recorded before its schema is checked: _rebuild needs it),
+        and the index of that file's addresses."""
+        conn = self._connect_file(lookups=True)[0]
+        try:
+            self._index.load(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _connect_file(self, lookups: bool = False) -> tuple[sqlite3.Connection, tuple[int, int] | None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,11 +474,18 @@ class SqliteL3(L3Store):
             if conn is None:
                 return None
             try:
+                if address not in self._index:
+                    if not self._index.due(self.REFRESH_EVERY) or not self._index.refresh(conn) \
+                            or address not in self._index:
+                        return None
+                self.file_reads += 1
                 row = conn.execute("SELECT value FROM entries WHERE ns=? AND layer=? AND key=?",
                                    (ns, layer, key)).fetchone()
             except sqlite3.Error as exc:
                 self._failed(exc)
                 return None
+            if row is None:
+                self._index.discard(address)      # evicted or deleted by another process
         if row is None:
             return None
         with self._queued:
@@ -437,6 +510,7 @@ class SqliteL3(L3Store):
                 self._failed(exc)
                 return
             if gone:
+                self._index.discard((ns, layer, key))
                 self._bytes -= len(blob)
                 with self._queued:
                     self._count(layer, -1, -len(blob))
@@ -511,6 +585,7 @@ class SqliteL3(L3Store):
             if conn is None:
                 return RETRY_AFTER
             changes: list[tuple[int, int, int]] = []
+            evicted: list[tuple[int, int, int]] = []
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
@@ -529,7 +604,7 @@ class SqliteL3(L3Store):
                     if self._puts // self.RESYNC_EVERY != before // self.RESYNC_EVERY:
                         self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
                     if self._bytes > self.settings.max_bytes:
-                        self._evict(conn, changes)
+                        self._evict(conn, changes, evicted)
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -539,8 +614,11 @@ class SqliteL3(L3Store):
                 return self._write_failed(exc)
             with self._queued:
                 for address, queued in items:
+                    self._index.add(address)                   # before it leaves the queue: never unseen
                     if self._pending.get(address) is queued:   # not replaced meanwhile
                         del self._pending[address]
+                for address in evicted:
+                    self._index.discard(address)
                 for change in changes:
                     self._count(*change)
                 self._queued.notify_all()                  # flush() waits for this
@@ -575,17 +653,20 @@ class SqliteL3(L3Store):
         with self._writer_lock:   # the batch in flight, if any, has been committed
             return True
 
-    def _evict(self, conn, changes: list) -> None:
-        """Delete least recently used entries down to 90% of the cap (hits' recency is written first)."""
+    def _evict(self, conn, changes: list, evicted: list) -> None:
+        """Delete least recently used entries down to 90% of the cap (hits' recency is written first); their
+        addresses go to `evicted`."""
         self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
         target = int(self.settings.max_bytes * 0.9)
         while self._bytes > target:
-            victims = conn.execute("SELECT rowid, layer, nbytes FROM entries ORDER BY last_used LIMIT 256").fetchall()
+            victims = conn.execute("SELECT rowid, ns, layer, key, nbytes FROM entries ORDER BY last_used "
+                                   "LIMIT 256").fetchall()
             if not victims:
                 break
             chosen = []
-            for rowid, layer, nbytes in victims:
+            for rowid, ns, layer, key, nbytes in victims:
                 chosen.append(rowid)
+                evicted.append((ns, layer, key))
                 self._bytes -= nbytes
                 changes.append((layer, -1, -nbytes))
                 self._evictions[layer] = self._evictions.get(layer, 0) + 1
@@ -639,6 +720,8 @@ class SqliteL3(L3Store):
         with self._queued:
             out["queued_writes"] = len(self._pending)
         out["dropped_writes"] = self.dropped_writes
+        out["indexed_keys"] = len(self._index)
+        out["file_reads"] = self.file_reads
         return out
 
     def total_bytes(self) -> int:
@@ -661,6 +744,7 @@ class SqliteL3(L3Store):
                     return
                 try:
                     conn.execute("DELETE FROM entries")
+                    self._index.clear()
                     self._bytes = 0
                     self._occ = None
                 except sqlite3.Error as exc:

@@ -4,7 +4,7 @@ The key is made in keys.py, the tiers and the rule for serving a hit live in tie
 and the persistent store in l3.py; this module is the walk itself and where it consults them.
 
 Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate score|; the cache key is a
-64-bit hash of the sorted feature ids, so two residuals that select the same features share an entry. Only
+64-bit hash of that set of feature ids (keys.py), so two residuals that select the same features share an entry. Only
 single-position calls (decode) consult the cache; prefill, the full-K dense rewrite and layers carrying
 INSERT overrides bypass it, each counted by reason.
 
@@ -27,7 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
-from larql_desktop.engine.cache.keys import default_top_k, feature_key, is_full_k, key_features, select_features
+from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
+                                             select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
@@ -108,6 +109,7 @@ class FfnGraphs(Protocol):
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
     def walk(self, layer: int, x: np.ndarray, scores: np.ndarray, mask: np.ndarray) -> np.ndarray: ...
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+    def walk_top_k(self, layer: int, x: np.ndarray, k: int) -> np.ndarray: ...
 
 
 class WalkFfn(PassAwareFfn):
@@ -160,23 +162,15 @@ class WalkFfn(PassAwareFfn):
         for st in self.stats:
             st.record(layer, outcome, seconds, **kw)
 
-    def picks_for(self, scores: np.ndarray) -> list[np.ndarray]:
-        """Each position's top-K features (what a cache key is made from)."""
+    def selection_mask(self, scores: np.ndarray) -> np.ndarray:
+        """(T, F) 0/1 float mask of the top-K features per position: what the walk graph sums over."""
         k = self.settings.top_k
-        return [select_features(row, k) for row in scores]
-
-    @staticmethod
-    def mask_from(picks: list[np.ndarray], scores: np.ndarray) -> np.ndarray:
-        """(T, F) 0/1 mask of the picked features: what the walk graph sums over."""
-        mask = np.zeros_like(scores)
-        for t, chosen in enumerate(picks):
-            mask[t, chosen] = 1.0
-        return mask
+        return np.stack([select_mask(row, k) for row in scores]).astype(np.float32)
 
     def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(T, F) 0/1 mask of the top-K features per position, and each position's selection."""
-        picks = self.picks_for(scores)
-        return self.mask_from(picks, scores), picks
+        """(T, F) 0/1 mask of the top-K features per position, and each position's selection (ascending ids)."""
+        mask = self.selection_mask(scores)
+        return mask, [np.flatnonzero(row) for row in mask]
 
     def _patched(self, layer: int, x: np.ndarray):
         """(overrides or None, their gate scores under the overlay (T, n), where each override holds its slot)."""
@@ -193,7 +187,7 @@ class WalkFfn(PassAwareFfn):
         """Per position, the features the walk actually sums (the selected base features, with overridden
         slots replaced where their override holds) strongest first, and the gate scores it uses for them."""
         scores = self.graphs.gate_scores(layer, x)
-        mask, _ = self.mask_for(scores)
+        mask = self.selection_mask(scores)
         ovr, patched, holds = self._patched(layer, x)
         if ovr is not None:
             scores[:, ovr.features] = np.where(holds, patched, scores[:, ovr.features])
@@ -235,11 +229,32 @@ class WalkFfn(PassAwareFfn):
         for layer in range(self.graphs.config.n_layers):
             self._record(layer, "dense", None, bypass=bypass)
 
+    def _lookup_tiers(self) -> list:
+        """The enabled tiers, in lookup order (L1, L2, then L3)."""
+        tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
+        if self._l3_tier is not None and self._l3_tier.enabled:
+            tiers.append(self._l3_tier)
+        return tiers
+
+    def _selects_in_graph(self) -> bool:
+        """Every tier off and no INSERT override anywhere: nothing needs the scores or the selection in Python,
+        so each layer runs as one call of the top-K walk graph (selection and mask inside it)."""
+        return not self.patches.overridden_layers and not self._lookup_tiers()
+
     @property
     def takes_gate_scores(self) -> bool:
         """The walk starts from the gate scores: the model may hand them over from the layer graph's call
-        (`call_with_scores`) rather than have them computed by a call of their own."""
-        return not (self.settings.dense or self.full_k)
+        (`call_with_scores`) rather than have them computed by a call of their own. Not with the cache off:
+        then the top-K walk graph computes them itself."""
+        return not (self.settings.dense or self.full_k or self._selects_in_graph())
+
+    def takes_gate_scores_for(self, rows: int) -> bool:
+        """Prefill takes the layer graph's scores even with the cache off: onnxruntime's TopK costs ~36 us a
+        row (56 rows: 2 ms per layer, more than the gate product and the Python selection together), so the
+        top-K walk graph runs only for decode (one row: ~10 us)."""
+        if self.settings.dense or self.full_k:
+            return False
+        return rows > 1 or self.takes_gate_scores
 
     def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self.call_with_scores(layer, x, None)
@@ -252,17 +267,18 @@ class WalkFfn(PassAwareFfn):
             out = self.dense(layer, x)
             self._record(layer, "dense", started, bypass=None if s.dense else "full_k")
             return out
+        tiers = self._lookup_tiers()
+        if scores is None and not tiers and self.patches.layer(layer) is None:
+            out = self.graphs.walk_top_k(layer, x, s.top_k)     # the same features and output as below
+            self._record(layer, "bypass", started, bypass="prefill" if x.shape[0] != 1 else "cache_off")
+            return out
         # Gate KNN: the base features compete exactly as in the base model (an overridden slot keeps its base
         # score in the ranking), so a patch never reshuffles which base features are selected.
         if scores is None:
             scores = self.graphs.gate_scores(layer, x)
-        picks = self.picks_for(scores)     # the mask is made only where a walk runs: a hit needs the key alone
         patched = self._patched(layer, x)
         ovr, _, holds = patched
         touched = ovr is not None and bool(holds.any())
-        tiers = [t for t in (self.l1, self.l2) if t is not None and t.settings.enabled]
-        if self._l3_tier is not None and self._l3_tier.enabled:
-            tiers.append(self._l3_tier)
         if x.shape[0] != 1:
             bypass = "prefill"
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
@@ -270,11 +286,16 @@ class WalkFfn(PassAwareFfn):
         else:
             bypass = None if tiers else "cache_off"
         if bypass is not None:
-            out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
+            out = self._walk(layer, x, scores, self.selection_mask(scores), patched)
             self._record(layer, "bypass", started, bypass=bypass)
             return out
-        # Only untouched feature sets reach here: their output depends on the base weights alone.
-        key = (self.namespace(), feature_key(key_features(scores[0], picks[0], s.key_width)))
+        # Only untouched feature sets reach here: their output depends on the base weights alone. The key is
+        # packed from the selection mask itself (no ids) unless it is built from fewer features than K.
+        selected = select_mask(scores[0], s.top_k)
+        if s.key_width >= s.top_k:
+            key = (self.namespace(), mask_key(selected))
+        else:
+            key = (self.namespace(), feature_key(key_features(scores[0], np.flatnonzero(selected), s.key_width)))
         if self.key_log is not None:
             self.key_log.append((layer, key))
         x0 = x[0]
@@ -289,14 +310,14 @@ class WalkFfn(PassAwareFfn):
                     upper.store(layer, key, entry, bucket)
                 self._record(layer, "hit", started, tier_results=tuple(results))
                 if s.verify_fraction and self._rng.random() < s.verify_fraction:
-                    self._verify(layer, x, scores, self.mask_from(picks, scores), entry)   # not timed
+                    self._verify(layer, x, scores, selected[None].astype(np.float32), entry)   # not timed
                 return entry.output[None, :].copy()
-        out = self._walk(layer, x, scores, self.mask_from(picks, scores), patched)
+        out = self._walk(layer, x, scores, selected[None].astype(np.float32), patched)
         # An overflowed output (an absurd input, a broken graph) is returned as computed but never stored: a
         # cache holds only what a later hit may serve.
         entry = None
         if np.isfinite(out).all():
-            bits = None if self.near_miss is None else self.near_miss.bits(picks[0])
+            bits = None if self.near_miss is None else self.near_miss.bits(np.flatnonzero(selected))
             entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
             for tier in tiers:
                 tier.store(layer, key, entry, bucket)
@@ -315,7 +336,7 @@ class WalkFfn(PassAwareFfn):
         max_abs = float(np.max(np.abs(fresh - cached)))
         x0 = entry.residual[None, :]
         scores0 = self.graphs.gate_scores(layer, x0)
-        remade = self._walk(layer, x0, scores0, self.mask_for(scores0)[0])[0]
+        remade = self._walk(layer, x0, scores0, self.selection_mask(scores0))[0]
         stale = float(np.max(np.abs(remade - cached)))
         for st in self.stats:
             st.record_fidelity(cosine, max_abs, stale)

@@ -4,6 +4,8 @@ Each layer gets two graphs, so the walk FFN can select features between them and
 second (plus a fused dense graph, gate and walk without the mask, for the dense FFN in one call):
   gate graph  x (T, d)                         -> scores (T, F)    scores = x @ W_gate.T
   walk graph  x (T, d), scores (T, F), mask (T|1, F) -> out (T, d)  out = W_down @ (mask * act(scores) * (W_up x))
+  top-K walk graph x (T, d), k (1,) -> out (T, d)   the walk with its selection inside: TopK of |scores|, the
+      mask scattered from its indices (what the walk FFN runs with every cache tier off: one call per layer)
 The dense FFN is the walk with an all-ones mask. Weights stay in the GGUF's own blocks (MatMulNBits with the
 exact scales and zero points), so the graphs compute with the same weights as the GGUF, not a requantised copy.
 Files live under <cache>/onnx/<gguf sha256>/ with a manifest of their own digests (graphs.store.GraphStore):
@@ -25,7 +27,7 @@ from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
 from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
-EXPORT_FORMAT = 3   # bump when the graphs change, so old exports are rebuilt
+EXPORT_FORMAT = 4   # bump when the graphs change, so old exports are rebuilt (4: the top-K walk graph)
 
 
 # MatMulNBits accuracy level of every weight: 4, int8-quantised activations in blocks of the weight's block size,
@@ -120,7 +122,49 @@ def build_dense_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.Mode
                   f"dense_{layer}")
 
 
-BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_dense_graph}
+def top_k_mask_nodes(scores: str, k: str, mask: str) -> list:
+    """Nodes making `mask` (T, F): 1.0 at each row's k largest |scores|, 0.0 elsewhere. At a tie on the k-th
+    |score| TopK keeps the lower index (the ONNX spec's rule, and onnxruntime's), which keys.select_features
+    follows."""
+    return [
+        helper.make_node("Abs", [scores], [mask + "_magnitudes"]),
+        helper.make_node("TopK", [mask + "_magnitudes", k], [mask + "_top_values", mask + "_top_ids"],
+                         axis=-1, largest=1, sorted=0),
+        helper.make_node("Shape", [scores], [mask + "_shape"]),
+        helper.make_node("ConstantOfShape", [mask + "_shape"], [mask + "_zeros"],
+                         value=numpy_helper.from_array(np.zeros(1, np.float32))),
+        helper.make_node("Shape", [mask + "_top_ids"], [mask + "_ids_shape"]),
+        helper.make_node("ConstantOfShape", [mask + "_ids_shape"], [mask + "_ones"],
+                         value=numpy_helper.from_array(np.ones(1, np.float32))),
+        helper.make_node("ScatterElements", [mask + "_zeros", mask + "_top_ids", mask + "_ones"], [mask], axis=-1),
+    ]
+
+
+def build_walk_top_k_graph(gguf: GgufFile, cfg: ModelConfig, layer: int) -> onnx.ModelProto:
+    """Gate, selection, mask, up and down in one call: the walk FFN with no cache to consult needs neither the
+    scores nor the selection in Python. The selection follows keys.select_features' rule (top_k_mask_nodes)
+    and the mask multiplies in the walk graph's order; gate and up run as one MatMulNBits, as in the dense
+    graph (x's int8 blocks are the same for both halves, so the scores equal the gate graph's and the layer
+    graph's bit for bit: tests/test_ffn_cache.py checks the outputs against the walk graph's)."""
+    t = gguf.tensors
+    gate_up_nodes, gate_up_inits = linear([t[f"blk.{layer}.ffn_gate.weight"], t[f"blk.{layer}.ffn_up.weight"]],
+                                          "x", "gate_up")
+    down_nodes, down_inits = linear([t[f"blk.{layer}.ffn_down.weight"]], "hidden", "out")
+    select = top_k_mask_nodes("scores", "k", "mask")
+    nodes = gate_up_nodes + [helper.make_node("Split", ["gate_up"], ["scores", "up"], axis=-1, num_outputs=2)]
+    nodes += select + _activation_nodes(cfg, "scores", "act") + [
+        helper.make_node("Mul", ["act", "up"], ["gated"]),
+        helper.make_node("Mul", ["gated", "mask"], ["hidden"]),
+    ] + down_nodes
+    return _model(nodes, gate_up_inits + down_inits,
+                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", cfg.hidden]),
+                   helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+                  [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", cfg.hidden])],
+                  f"walk_top_k_{layer}")
+
+
+BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_dense_graph,
+            "walk_top_k": build_walk_top_k_graph}
 
 
 class OnnxFfn(PassAwareFfn):
@@ -152,14 +196,14 @@ class OnnxFfn(PassAwareFfn):
         # files (an L3 entry computed before a graph file was found corrupt and rebuilt is not reached after).
         self.numerics = f"onnx-ffn-{EXPORT_FORMAT}-{self._store.digest(n for f in files.values() for n, _ in f)}"
         opts = partial(session_options, threads)
-        self._gate, self._walk, self._dense = (LazySessions(self._store, files[kind], opts)
-                                               for kind in ("gate", "walk", "dense"))
+        self._gate, self._walk, self._dense, self._walk_top_k = (
+            LazySessions(self._store, files[kind], opts) for kind in ("gate", "walk", "dense", "walk_top_k"))
         self._ones = np.ones((1, config.intermediate), np.float32)
         self._local = threading.local()   # per thread: IO bindings of the dense sessions
 
     def load_sessions(self, progress: Progress | None = None, kinds=tuple(BUILDERS)) -> None:
         """Create every layer's sessions of these kinds now rather than on first use."""
-        sessions = {"dense": self._dense, "gate": self._gate, "walk": self._walk}
+        sessions = {"dense": self._dense, "gate": self._gate, "walk": self._walk, "walk_top_k": self._walk_top_k}
         for kind in kinds:
             sessions[kind].load_all(progress, f"Loading the {kind} FFN graphs")
 
@@ -180,6 +224,25 @@ class OnnxFfn(PassAwareFfn):
         b.bind_input("x", x)
         b.bind_input("scores", np.ascontiguousarray(scores, dtype=np.float32))
         b.bind_input("mask", np.ascontiguousarray(mask, dtype=np.float32))
+        b.bind_output("out", out)
+        b.run()
+        return out
+
+    def walk_top_k(self, layer: int, x: np.ndarray, k: int) -> np.ndarray:
+        """(T, d): the walk over each position's top-k features by |gate score|, selected inside the graph."""
+        bindings = getattr(self._local, "walk_top_k", None)
+        if bindings is None:
+            bindings = self._local.walk_top_k = [None] * self.config.n_layers
+        b = bindings[layer]
+        if b is None:
+            b = bindings[layer] = Binding(self._walk_top_k[layer])
+        ks = getattr(self._local, "k", None)
+        if ks is None or ks[0] != k:            # bound once per K: an unchanged K keeps its array
+            ks = self._local.k = np.array([k], np.int64)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], self.config.hidden), np.float32)
+        b.bind_input("x", x)
+        b.bind_input("k", ks)
         b.bind_output("out", out)
         b.run()
         return out

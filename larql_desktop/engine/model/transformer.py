@@ -39,6 +39,10 @@ class PassAwareFfn(ABC):
     def takes_gate_scores(self) -> bool:
         return False
 
+    def takes_gate_scores_for(self, rows: int) -> bool:
+        """`takes_gate_scores` for a pass of `rows` positions (an FFN may want them for prefill only)."""
+        return self.takes_gate_scores
+
     def call_with_scores(self, layer: int, x: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
         return self(layer, x)
 
@@ -280,7 +284,7 @@ class TransformerModel:
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
         f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
-        with_scores = graphs.has_gate_scores and isinstance(ffn, PassAwareFfn) and ffn.takes_gate_scores
+        with_scores = graphs.has_gate_scores and isinstance(ffn, PassAwareFfn) and ffn.takes_gate_scores_for(T)
         for i in range(cfg.n_layers):
             cos, sin = bases[cfg.rope_base_for(i)]
             if with_scores:
