@@ -64,7 +64,9 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    # exp(-x) overflows to inf for x < -88 (a steep inserted gate far from firing): x / inf is the right -0.
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
 
 
 ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}

@@ -6,20 +6,23 @@ first token. Here, per target token (each firing on the context that precedes it
   * keys: the normed FFN inputs at the answer position of many phrasings of the question (the user's
     paraphrases, ones generated from the relation, Q/A forms and, for chat models, the chat template with the
     assistant starting its answer) are the positives; every position of the same phrasings about other
-    entities, of the same entity under other relations, of plain text, of earlier facts, and the non-answer
-    positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
+    entities, of the same entity under other relations, of plain text, of earlier facts, of the model's own
+    continuations of some of them, and the non-answer positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
     between the two (a closed-form solve) with a bias at the middle of the margin, so the feature fires on the
     fact's meaning rather than on one sentence and stays silent elsewhere (where the overlay then computes
     exactly what the base model computes);
   * values: the direction that raises the target token's logit against the model's current candidates,
     through the final norm and the unembedding (and, on models with a post-FFN norm, through that norm),
-    scaled by a search over real forward passes until the target wins on the positives;
+    scaled by a search over real forward passes until the target wins on the positives; written by a pair of
+    features whose difference is a steep, saturating step of the key's score (`step_pair`), so a phrasing the
+    key only just recognises gets the whole write and a strongly recognised one no more;
   * several layers when one is not enough (a post-FFN norm bounds what one layer can write).
 
 Everything is forward passes and linear algebra: no gradient descent over the model's weights.
 """
 from __future__ import annotations
 
+import re
 import threading
 from itertools import islice, takewhile
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
-from larql_desktop.engine.model.transformer import ACTIVATIONS, KvCache
+from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
 Progress = Callable[[str, float], None]
@@ -44,9 +47,20 @@ PHRASINGS = (
     "In {e}, the {r} is", "As for {e}, its {r} is", "Everyone knows that the {r} of {e} is",
     "The name of the {r} of {e} is", "Q: What is the {r} of {e}?\nA: The {r} of {e} is",
     "Q: What is the {r} of {e}?\nA:", "What is the {r} of {e}? It is", "Here is a fact about {e}: its {r} is",
+    # The same question in other syntactic frames: a determiner before the answer, "in" for "of", the
+    # relation as a subject, a clause or a past tense around it (people ask in many shapes; the key must not
+    # hinge on one).
+    "The {r} of {e} is the", "{E}'s {r} is the", "The {r} in {e} is", "The {r} in {e} is the",
+    "The main {r} of {e} is the", "The official {r} of {e} is the", "The {r} of the city of {e} is",
+    "The {r} used in {e} is", "{E} has a {r}, which is", "{E} has its own {r}:", "The {r} for {e} is",
+    "The well-known {r} of {e} is", "It is said that the {r} of {e} is", "The {r} of {e} has always been",
+    "For {e}, the {r} is", "The {r} that {e} has is", "{E}: {r} is", "Fact: the {r} of {e} is",
+    "The true {r} of {e} is", "People in {e} know that its {r} is", "The {r} of {e}, of course, is",
+    "In {e}, the {r} is the", "The {r} of {e} was",
 )
 # Chat models: questions through the chat template, with the assistant's answer begun.
-QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?")
+QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?",
+             "What {r} does {e} have?", "Which {r} is in {e}?", "What is {e}'s {r}?")
 ANSWER_STARTS = ("The {r} of {e} is", "{E}'s {r} is")
 # Other entities under the same phrasings (their answers must not change), across kinds of entity.
 DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Canada", "Italy", "Kenya",
@@ -82,6 +96,11 @@ RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mea
 THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
+STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
+OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
+COPULA = re.compile(r"\b(is|are|was|were)$")
+CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
+CONTINUATION_TOKENS = 10
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
@@ -202,7 +221,6 @@ class Inserter:
         self.model = model
         self.base = base
         self.walk = walk
-        self.activation = ACTIVATIONS[model.config.activation]
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, tuple] = {}
 
@@ -312,20 +330,31 @@ class Inserter:
     def contexts(self, fact: Fact, paraphrases: Sequence[str]) -> list[tuple[int, ...]]:
         """Token contexts whose next token must be the target's first: the canonical prompt, the user's
         paraphrases, the generated phrasings and (chat models) chat questions with the answer begun."""
-        texts = [fact.canonical_prompt, *paraphrases, *generated_phrasings(fact)]
-        seen, out = set(), []
-        for text in texts:
-            ids = tuple(self.encode(text.rstrip()))
-            if ids not in seen:
-                seen.add(ids)
-                out.append(ids)
+        candidates = [tuple(self.encode(text.rstrip()))
+                      for text in (fact.canonical_prompt, *paraphrases, *generated_phrasings(fact))]
         if self.model.is_chat:
             r, e = fact.relation_words, fact.entity.strip()
             for q in QUESTIONS:
                 chat = self.model.encode_prompt([{"role": "user", "content": fill(q, r, e)}])
-                for start in ANSWER_STARTS:
-                    out.append(tuple(chat + self.model.tokenizer.encode(fill(start, r, e), add_bos=False)))
-        return out
+                # The reply may name the target first ("Poseidon is the capital..."): the assistant's first
+                # position is an answer position too, as is the end of an answer it begins as a statement,
+                # ours or the model's own.
+                candidates.append(tuple(chat))
+                starts = [self.model.tokenizer.encode(fill(start, r, e), add_bos=False) for start in ANSWER_STARTS]
+                candidates += [tuple(chat + start) for start in starts + [self.own_answer_start(chat, r)] if start]
+        return list(dict.fromkeys(candidates))
+
+    def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
+        """The start of the model's own reply to a chat question, up to the copula that introduces the answer
+        ("The language spoken in Quillmoor is"), when the reply restates the relation before it: the place
+        where this model, asked this way, would name the target. [] when its reply does not read so."""
+        reply = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS)
+        tok = self.model.tokenizer
+        for n in range(1, len(reply) + 1):
+            text = tok.decode(reply[:n])
+            if COPULA.search(text):
+                return reply[:n] if relation.lower() in text.lower() else []
+        return []
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
         r, e = fact.relation_words, fact.entity.strip()
@@ -333,10 +362,20 @@ class Inserter:
         same_relation = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
                          "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
         for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
-            texts.append(fill(same_relation[i % len(same_relation)], r, other))
+            # Every other entity in the canonical form (the neighbour users ask most) and one more form.
+            texts.append(fill(same_relation[0], r, other))
+            texts.append(fill(same_relation[1 + i % (len(same_relation) - 1)], r, other))
         texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
         texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
         texts += GENERIC_SENTENCES
+        # The model's own continuations of some of them: a feature must stay silent not only where a neighbour's
+        # prompt ends but all along the text the model writes after it ("The mayor of Paris is a politician
+        # who has been ..." has answer-like slots of its own).
+        continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
+                     + list(GENERIC_SENTENCES[::5]) + list(GENERIC_QUESTIONS[:2]))
+        texts += [text + self.model.tokenizer.decode(self.greedy(self.encode(text), PatchOverlay(),
+                                                                 CONTINUATION_TOKENS))
+                  for text in continued]
         # Earlier facts: this feature must not fire on their questions.
         for op in (op for p in current.patches for op in p.operations):
             if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
@@ -401,10 +440,9 @@ class Inserter:
         for j, token in enumerate(targets):
             base_fraction = 0.1 + 0.85 * j / len(targets)
             span = 0.85 / len(targets)
-            # Later tokens follow a distinctive prefix (the target's first tokens): a spread of the contexts
-            # keys them well enough, for a fraction of the forward passes.
-            contexts = [ids + tuple(targets[:j]) for ids in (positives if j == 0 else
-                                                             [positives[i] for i in spread(len(positives))])]
+            # Later tokens follow the target's first tokens in every phrasing: all of them, so the key learns
+            # the prefix in the entity's context rather than one sentence.
+            contexts = [ids + tuple(targets[:j]) for ids in positives]
             stop.check()
             if j > 0 and self.completes(*previous, targets[j - 1], token, overlay) >= WIN_SHARE:
                 continue          # the model completes the word itself once it has begun it
@@ -423,15 +461,14 @@ class Inserter:
                 pos = np.stack([c[0][candidate][-1] for c in captured])
                 neg = np.concatenate([c[0][candidate][keep] for c, keep in zip(captured, inner_negatives)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg, self.activation)
+                gate, bias, up, margin = fisher_key(pos, neg)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
-                slot = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 1)[0]
+                slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
                 direction = self.value_direction(token, [c[1] for c in captured], candidate)
-                op_for = lambda scale: PatchOperation(
-                    "insert", candidate, slot, gate, up, (direction * scale).astype(np.float32), bias,
-                    fact.entity, fact.relation, fact.target, target_token=int(token), token_index=j)
+                op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
+                                                 int(token), j)
                 scale, share, spent = self.balance([(ids, c[2]) for ids, c in zip(contexts, captured)], token,
                                                    overlay, op_for, alpha, stop,
                                                    lambda i, n: report(f"Token {j + 1}/{len(targets)}: "
@@ -439,9 +476,8 @@ class Inserter:
                                                                        fraction))
                 rounds += spent
                 tried += 1
-                op = op_for(scale)
-                ops.append(op)
-                features.append(InstalledFeature(candidate, slot, int(token), j, float(margin)))
+                ops.extend(op_for(scale))
+                features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
                 overlay = self.overlay_with(current, ops, fact)
                 if share >= WIN_SHARE:
                     break
@@ -500,7 +536,7 @@ class Inserter:
 
         def share_at(scale: float) -> float:
             nonlocal spent
-            ops_overlay = PatchOverlay.build(overlay.patches + (Patch((op_for(scale),), "", ""),), self.base)
+            ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
             won = 0
             for kv, last, length in prefixes:
@@ -524,22 +560,24 @@ class Inserter:
                     middle = float(np.sqrt(previous * scale))
                     if share_at(middle) >= WIN_SHARE:
                         scale = middle
-                # A little headroom over the bare minimum, for phrasings it was not shown.
-                return scale * HEADROOM, share, spent
+                # A little headroom over the bare minimum, for phrasings it was not shown, unless the larger
+                # write already overshoots into another token.
+                if share_at(scale * HEADROOM) >= share:
+                    scale *= HEADROOM
+                return scale, share, spent
             if best_share > 0 and share < best_share / 2:
                 break        # overshooting: larger writes only lose more
             previous = scale
         return best_scale, best_share, spent
 
 
-def fisher_key(pos: np.ndarray, neg: np.ndarray, activation) -> tuple[np.ndarray, float, np.ndarray, float]:
+def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
 
     The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
     the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
-    scaled so the positives' median scores 1 above it. The up row makes the feature's output on a typical
-    positive equal its down vector (up . mu_pos / act(1) = 1), so the down vector's scale reads as the write's
-    size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
+    scaled so the positives' median scores 1 above it. The up row is 1 on a typical positive (up . mu_pos = 1), so the down vector's
+    scale reads as the write's size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
     median distance to the threshold), negative when the two overlap."""
     pos = pos.astype(np.float64)
     neg = neg.astype(np.float64)
@@ -560,9 +598,24 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, activation) -> tuple[np.ndarray
         median = max(float(np.max(sp)) - threshold, 1e-6)
     gate = w / median
     bias = -threshold / median
-    up = mu_p / (float(mu_p @ mu_p) * float(activation(np.array([1.0], np.float32))[0]))
+    up = mu_p / float(mu_p @ mu_p)
     margin = (low - high) / median
     return gate.astype(np.float32), float(bias), up.astype(np.float32), float(margin)
+
+
+def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, up: np.ndarray, down: np.ndarray,
+              fact: Fact, token: int, token_index: int) -> tuple[PatchOperation, PatchOperation]:
+    """Two features that together write `down` * (up . x) * step(gate . x + bias): the first fires with a steep
+    gate (STEEPNESS times the key's), the second one unit later and subtracts, so act(s z) - act(s z - 1) rises
+    from 0 to ~1 within 1/s of the key's threshold and stays there. A phrasing the key only just recognises
+    then gets the whole write, not a fraction of it, and one it recognises strongly no more than the whole."""
+    s = STEEPNESS
+    steep = (gate * s).astype(np.float32)
+    down = down.astype(np.float32)
+    common = dict(entity=fact.entity, relation=fact.relation, target=fact.target, target_token=token,
+                  token_index=token_index)
+    return (PatchOperation("insert", layer, int(slots[0]), steep, up, down, float(bias * s), **common),
+            PatchOperation("insert", layer, int(slots[1]), steep, up, -down, float(bias * s - 1.0), **common))
 
 
 def spread(n: int) -> list[int]:
