@@ -16,7 +16,7 @@ from larql_desktop.engine.cache.tiers import CacheTier, GUARD_NORM_TOLERANCE, Ti
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.model.chat import ChatSession, chat_prompt_ids
 from larql_desktop.engine.loading import LoadedModel
 
 Log = Callable[[str], None]
@@ -32,7 +32,7 @@ def capture_residuals(model: LoadedModel, layer: int, prompt: str, n: int) -> np
             captured.append(x.copy())
         return model.ffn.dense(i, x)
 
-    ids = model.encode_prompt([{"role": "user", "content": prompt}])
+    ids = chat_prompt_ids(model, prompt)
     for _ in islice(greedy(model.transformer, ids, recording_ffn, context_limit=model.context_limit), n + 1):
         pass   # n decode steps after the prompt: one captured input each
     return np.stack(captured[:n])

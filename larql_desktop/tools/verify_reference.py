@@ -10,6 +10,7 @@ import numpy as np
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
 from larql_desktop.engine.formats.jsonfile import read_json
+from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.loading import LoadedModel
@@ -62,7 +63,7 @@ def check_model(model: LoadedModel, name: str, entry: dict, log: Callable[[str],
             result.notes.append(f"tokenize {case['text'][:40]!r}: ours {ids[:12]} vs llama.cpp {case['ids'][:12]}")
     for prompt in entry.get("prompts", []):
         if prompt.get("kind") == "chat":
-            ours = model.encode_prompt([{"role": "user", "content": prompt["text"]}])
+            ours = chat_prompt_ids(model, prompt["text"])
         else:
             ours = tok.encode(prompt.get("rendered", prompt.get("text", "")))
         ref_prompt = list(prompt["prompt_ids"])

@@ -29,6 +29,7 @@ import numpy as np
 
 from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, select_features
 from larql_desktop.engine.cache.tiers import cosine
+from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
 
 # Shares of the intermediate size the K sweep visits (besides the seed's default K and the report's), and the key
@@ -39,7 +40,7 @@ KEY_WIDTH_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def prompt_ids(model, prompt: str) -> list[int]:
     """The prompt as the engine feeds it for a first user turn: chat template for chat models, text for base."""
-    return model.encode_prompt([{"role": "user", "content": prompt}])
+    return chat_prompt_ids(model, prompt)
 
 
 COMPUTATION = "numpy fp32 (dequantised GGUF weights)"

@@ -33,6 +33,7 @@ import numpy as np
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
@@ -335,7 +336,7 @@ class Inserter:
         if self.model.is_chat:
             r, e = fact.relation_words, fact.entity.strip()
             for q in QUESTIONS:
-                chat = self.model.encode_prompt([{"role": "user", "content": fill(q, r, e)}])
+                chat = chat_prompt_ids(self.model, fill(q, r, e))
                 # The reply may name the target first ("Poseidon is the capital..."): the assistant's first
                 # position is an answer position too, as is the end of an answer it begins as a statement,
                 # ours or the model's own.
