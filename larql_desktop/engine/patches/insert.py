@@ -102,6 +102,7 @@ OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would 
 COPULA = re.compile(r"\b(is|are|was|were)$")
 CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
 CONTINUATION_TOKENS = 10
+CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
@@ -224,6 +225,7 @@ class Inserter:
         self.walk = walk
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, tuple] = {}
+        self._continued: dict[str, str] = {}
 
     # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
@@ -259,6 +261,15 @@ class Inserter:
         """Greedy continuation of plain text under the overlay."""
         tokens = self.greedy(self.encode(text), overlay, n)
         return self.model.tokenizer.decode(tokens), tokens
+
+    def base_continuation(self, text: str) -> str:
+        """The base model's greedy continuation of `text` (CONTINUATION_TOKENS), remembered: the generic ones
+        are the same for every insert of this Inserter, and the decoys for every insert under one relation."""
+        if text not in self._continued:
+            if len(self._continued) >= CONTINUATION_MEMORY:
+                self._continued.pop(next(iter(self._continued)))      # the oldest
+            self._continued[text] = self.continuation(text, PatchOverlay(), CONTINUATION_TOKENS)[0]
+        return self._continued[text]
 
     def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False
                 ) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
@@ -374,9 +385,7 @@ class Inserter:
         # who has been ..." has answer-like slots of its own).
         continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
                      + list(GENERIC_SENTENCES[::5]) + list(GENERIC_QUESTIONS[:2]))
-        texts += [text + self.model.tokenizer.decode(self.greedy(self.encode(text), PatchOverlay(),
-                                                                 CONTINUATION_TOKENS))
-                  for text in continued]
+        texts += [text + self.base_continuation(text) for text in continued]
         # Earlier facts: this feature must not fire on their questions.
         for op in (op for p in current.patches for op in p.operations):
             if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
