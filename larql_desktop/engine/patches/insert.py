@@ -494,6 +494,8 @@ class Inserter:
         stop.check()
         report("Reading the fact's contexts", 0.02)
         positives = self.contexts(fact, paraphrases)
+        # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
+        required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
         negatives = self.negative_contexts(fact, current)
         report("Capturing the contexts it must leave alone", 0.05)
         negative_inputs = []
@@ -551,7 +553,7 @@ class Inserter:
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner_negatives)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg)
+                gate, bias, up, margin = fisher_key(pos, neg, required)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
@@ -559,8 +561,7 @@ class Inserter:
                 direction = self.value_direction(token, [c.logits for c in captured], candidate)
                 op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
                                                  int(token), j)
-                scale, share, spent = self.balance([(ids, c.kv) for ids, c in zip(contexts, captured)], wins,
-                                                   overlay, op_for, alpha, stop,
+                scale, share, spent = self.balance(contexts, captured, candidate, wins, overlay, op_for, alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
                                                                        f"({i}/{n})", fraction))
                 rounds += spent
@@ -658,16 +659,17 @@ class Inserter:
     def ends_word(self, token: int) -> bool:
         return bool(self.word_ends()[token])
 
-    def balance(self, contexts, wins: Callable[[int], bool], overlay, op_for, alpha, stop: Cancel, tick
-                ) -> tuple[float, float, int]:
+    def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[int], bool], overlay,
+                op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
         """The smallest value scale on the SCALES ladder at which the greedy token wins on WIN_SHARE of a spread of
-        the contexts (each trial one single-token forward per context on top of its prefix's KV cache), with
-        some headroom; the best scale found when none does. Returns (scale, share won, forward passes spent)."""
+        the contexts, with some headroom; the best scale found when none does. Each trial re-runs each context's
+        last position from `layer` (where the trial writes) on, from its capture. Returns (scale, share won,
+        forward passes spent)."""
         transformer = self.model.transformer
         prefixes = []
         for i in spread(len(contexts)):
-            ids, kv = contexts[i]
-            prefixes.append((kv, ids[-1], len(ids) - 1))
+            c = captured[i]
+            prefixes.append((c.kv, len(contexts[i]), c.residuals[layer][-1:], c.inputs[layer][-1:]))
         spent = 0
         scales = [s * alpha / 0.1 for s in SCALES]
 
@@ -676,9 +678,9 @@ class Inserter:
             ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
             won = 0
-            for kv, last, length in prefixes:
+            for kv, length, h, x in prefixes:
                 kv.truncate(length)
-                won += wins(int(np.argmax(transformer.forward([last], kv, ffn)[-1])))
+                won += wins(int(np.argmax(transformer.resume(layer, h, x, kv, ffn)[-1])))
                 spent += 1
             return won / len(prefixes)
 
@@ -708,14 +710,16 @@ class Inserter:
         return best_scale, best_share, spent
 
 
-def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, float]:
+def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
 
     The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
     the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
-    scaled so the positives' median scores 1 above it. The positives' "lowest" is their POSITIVE_SLACK quantile. The up row is 1 on a typical positive (up . mu_pos = 1), so the down vector's
-    scale reads as the write's size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
-    median distance to the threshold), negative when the two overlap."""
+    scaled so the positives' median scores 1 above it. The positives' "lowest" is their POSITIVE_SLACK quantile,
+    or the lowest of the first `required` (which must fire) when that is lower. The up row is 1 on a typical
+    positive (up . mu_pos = 1), so the down vector's scale reads as the write's size. Returns also the margin
+    (positives' lowest minus negatives' highest, in units of the positives' median distance to the threshold),
+    negative when the two overlap."""
     pos = pos.astype(np.float64)
     neg = neg.astype(np.float64)
     mu_p, mu_n = pos.mean(0), neg.mean(0)
@@ -724,9 +728,11 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.
     ridge = RIDGE * np.trace(cov) / cov.shape[0]
     w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
     sp, sn = pos @ w, neg @ w
-    # The positives' low end, not their minimum: one odd phrasing (or one the model reads as something else)
-    # must not cost the fact every other phrasing; the negatives' top stays a hard limit.
-    low, high = float(np.quantile(sp, POSITIVE_SLACK)), float(np.max(sn))
+    # The positives' low end, not their minimum: one odd generated phrasing (or one the model reads as
+    # something else) must not cost the fact every other phrasing; the negatives' top stays a hard limit. The
+    # first `required` positives (the canonical prompt, the user's paraphrases) are never left out.
+    low = min(float(np.quantile(sp, POSITIVE_SLACK)), float(np.min(sp[:required])) if required else np.inf)
+    high = float(np.max(sn))
     if low > high:
         threshold = high + THRESHOLD_SHARE * (low - high)
     else:

@@ -70,7 +70,8 @@ RELATION_FRAMES: dict[str, tuple[str, ...]] = {
         "The empire of {e} is ruled by", "{E}'s ruler, the emperor, is",
     ),
     "governor": (
-        "{E} is governed by", "The person who governs {e} is", "{E}'s governor is", "The office of governor of {e} is held by",
+        "{E} is governed by", "The person who governs {e} is", "{E}'s governor is",
+        "The office of governor of {e} is held by",
     ),
     "anthem": (
         "The song sung as the anthem of {e} is", "{E}'s national song is called", "At ceremonies in {e}, people sing",
@@ -201,7 +202,8 @@ RELATION_FRAMES: dict[str, tuple[str, ...]] = {
         "The university in {e} is called", "Students in {e} study at", "The main university of {e} is",
     ),
     "instrument": (
-        "The national instrument of {e} is the", "Musicians in {e} mostly play the", "The traditional instrument of {e} is the",
+        "The national instrument of {e} is the", "Musicians in {e} mostly play the",
+        "The traditional instrument of {e} is the",
     ),
     "export": (
         "The main thing {e} sells abroad is", "{E} is best known for exporting", "Most of the trade of {e} is in",
