@@ -18,7 +18,7 @@ first token. Here, per target token (each firing on the context that precedes it
     key only just recognises gets the whole write and a strongly recognised one no more;
   * several layers when one is not enough (a post-FFN norm bounds what one layer can write);
   * one more step after the last target token, for the word's end: where the model would go on with the word
-    ("Ottoline" -> "Ottolineus"), a feature writes the token that ends it (a space or punctuation);
+    ("Ottoline" -> "Ottolineus"), a feature writes a comma, full stop or line break there;
   * the phrasings include, for relations people insert often, frames that ask without naming the relation
     ("In X, people pay with the"; relation_frames.py), and a key may leave its oddest tenth of phrasings
     below its threshold rather than give up the layer;
@@ -99,6 +99,10 @@ GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?",
 
 # Share of the positives the target must win on (greedy) before a scale is accepted.
 WIN_SHARE = 0.9
+# ... and by how much (logits, i.e. nats): a write that only just wins on the phrasings it was balanced on loses
+# on the next one the user types, where the model's own answer is a little stronger.
+WIN_MARGIN = 1.0
+SENTENCE_MARKS = (b",", b".", b"\n")   # what the word-end step may write (Inserter.sentence_marks)
 SCALES = tuple(float(4.0 ** k) for k in range(1, 6))    # 4 .. 1024, in units of the normed FFN input
 HEADROOM = 1.25
 RESCUE_SCALES = (0.7, 0.5, 1.4, 0.35, 2.0)   # tried on every write when the canonical prompt fails (rescue_canonical)
@@ -252,6 +256,7 @@ class Inserter:
         self._captured: dict[tuple, tuple] = {}
         self._continued: dict[str, str] = {}
         self._word_ends: np.ndarray | None = None
+        self._sentence_marks: np.ndarray | None = None
 
     # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
@@ -524,8 +529,10 @@ class Inserter:
             stop.check()
             if j < boundary:
                 token, wins = targets[j], (lambda t, token=targets[j]: t == token)
+                wins_clearly = lambda logits, token=targets[j]: lead(logits, token) >= WIN_MARGIN
             else:
                 wins = self.ends_word
+                wins_clearly = lambda logits: lead_of_word_end(logits, self.word_ends()) >= WIN_MARGIN
             if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins,
                                         overlay) >= WIN_SHARE:
                 continue          # the model completes (or ends) the word itself once it has begun it
@@ -537,9 +544,9 @@ class Inserter:
             else:
                 captured = [self.capture(ids, overlay) for ids in contexts]
             if j == boundary:
-                # What the canonical prompt says after the whole word, among the tokens that end one: the
-                # direction to write where the model would go on with the word instead.
-                token = int(np.argmax(np.where(self.word_ends(), captured[0].logits, -np.inf)))
+                # What the canonical prompt says after the whole word, among the sentence marks: the direction
+                # to write where the model would go on with the word instead.
+                token = int(np.argmax(np.where(self.sentence_marks(), captured[0].logits, -np.inf)))
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)
@@ -561,7 +568,8 @@ class Inserter:
                 direction = self.value_direction(token, [c.logits for c in captured], candidate)
                 op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
                                                  int(token), j)
-                scale, share, spent = self.balance(contexts, captured, candidate, wins, overlay, op_for, alpha, stop,
+                scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
+                                                   alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
                                                                        f"({i}/{n})", fraction))
                 rounds += spent
@@ -656,13 +664,25 @@ class Inserter:
             self._word_ends = ends
         return self._word_ends
 
+    def sentence_marks(self) -> np.ndarray:
+        """Per vocabulary token: is it a comma, a full stop or a line break, alone (" ," reads as a typo)? What the
+        word-end step writes: a token that ends the word and starts nothing (" Navi" ends "Veshari" too, and a
+        feature writing it appends it wherever it fires; " (:" opens a bracket the model then fills)."""
+        if self._sentence_marks is None:
+            tok = self.model.tokenizer
+            marks = np.zeros(tok.vocab_size, bool)
+            for i in range(tok.vocab_size):
+                marks[i] = tok.piece_bytes(i) in SENTENCE_MARKS and not tok.is_control(i)
+            self._sentence_marks = marks
+        return self._sentence_marks
+
     def ends_word(self, token: int) -> bool:
         return bool(self.word_ends()[token])
 
-    def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[int], bool], overlay,
-                op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
-        """The smallest value scale on the SCALES ladder at which the greedy token wins on WIN_SHARE of a spread of
-        the contexts, with some headroom; the best scale found when none does. Each trial re-runs each context's
+    def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
+                overlay, op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
+        """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits) on
+        WIN_SHARE of a spread of the contexts, with some headroom; the best scale found when none does. Each trial re-runs each context's
         last position from `layer` (where the trial writes) on, from its capture. Returns (scale, share won,
         forward passes spent)."""
         transformer = self.model.transformer
@@ -680,7 +700,7 @@ class Inserter:
             won = 0
             for kv, length, h, x in prefixes:
                 kv.truncate(length)
-                won += wins(int(np.argmax(transformer.resume(layer, h, x, kv, ffn)[-1])))
+                won += wins(transformer.resume(layer, h, x, kv, ffn)[-1])
                 spent += 1
             return won / len(prefixes)
 
@@ -782,6 +802,17 @@ def inner_negative_positions(contexts: list[tuple[int, ...]], answered: int = 0)
         # position among the negatives sets the gate's threshold for all.
         return c[:t + 1] not in ends and not question_end - ANSWER_LEAD_IN <= t < question_end
     return [np.array([t for t in range(len(c) - 1) if negative(c, t)], np.int64) for c in contexts]
+
+
+def lead(logits: np.ndarray, token: int) -> float:
+    """How far `token`'s logit is above the best other token's (negative when another leads)."""
+    others = np.delete(logits, token)
+    return float(logits[token] - others.max())
+
+
+def lead_of_word_end(logits: np.ndarray, word_ends: np.ndarray) -> float:
+    """How far the best token that ends the word is above the best that goes on with it."""
+    return float(logits[word_ends].max() - logits[~word_ends].max())
 
 
 def share_winning(captured, token: int) -> float:
