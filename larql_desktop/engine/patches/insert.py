@@ -533,8 +533,8 @@ class Inserter:
             else:
                 wins = self.ends_word
                 wins_clearly = lambda logits: lead_of_word_end(logits, self.word_ends()) >= WIN_MARGIN
-            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins,
-                                        overlay) >= WIN_SHARE:
+            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, overlay,
+                                        required) >= WIN_SHARE:
                 continue          # the model completes (or ends) the word itself once it has begun it
             what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
             report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
@@ -571,7 +571,7 @@ class Inserter:
                 scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
                                                    alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
-                                                                       f"({i}/{n})", fraction))
+                                                                       f"({i}/{n})", fraction), required)
                 rounds += spent
                 tried += 1
                 ops.extend(op_for(scale))
@@ -636,12 +636,12 @@ class Inserter:
         return PatchOverlay.build(current.patches + (patch,), self.base)
 
     def completes(self, contexts, captured, tail: Sequence[int], wins: Callable[[int], bool],
-                  overlay: PatchOverlay) -> float:
+                  overlay: PatchOverlay, always: int = 1) -> float:
         """Share of a spread of the contexts whose greedy next token after `tail` wins under the overlay (each
         context's last position and `tail` re-run on its captured KV cache)."""
         ffn = self.ffn(overlay)
         won = []
-        for i in spread(len(captured)):
+        for i in spread(len(captured), always):
             ids, kv = contexts[i], captured[i].kv
             kv.truncate(len(ids) - 1)
             won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
@@ -680,14 +680,14 @@ class Inserter:
         return bool(self.word_ends()[token])
 
     def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
-                overlay, op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
+                overlay, op_for, alpha, stop: Cancel, tick, always: int = 1) -> tuple[float, float, int]:
         """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits) on
         WIN_SHARE of a spread of the contexts, with some headroom; the best scale found when none does. Each trial re-runs each context's
         last position from `layer` (where the trial writes) on, from its capture. Returns (scale, share won,
         forward passes spent)."""
         transformer = self.model.transformer
         prefixes = []
-        for i in spread(len(contexts)):
+        for i in spread(len(contexts), always):
             c = captured[i]
             prefixes.append((c.kv, len(contexts[i]), c.residuals[layer][-1:], c.inputs[layer][-1:]))
         spent = 0
@@ -783,10 +783,13 @@ def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, u
             PatchOperation("insert", layer, int(slots[1]), steep, up, -down, float(bias * s - 1.0), **common))
 
 
-def spread(n: int) -> list[int]:
-    """Up to BALANCE_CONTEXTS indices spread over n contexts, the first (the canonical prompt) always: the
-    contexts are listed canonical, the user's, generated, chat, so a spread covers every kind."""
-    return sorted({0, *np.linspace(0, n - 1, min(n, BALANCE_CONTEXTS)).astype(int).tolist()}) if n else []
+def spread(n: int, first: int = 1) -> list[int]:
+    """Up to BALANCE_CONTEXTS indices spread over n contexts, and the `first` ones always (the canonical prompt
+    and the user's paraphrases): the contexts are listed canonical, the user's, generated, chat, so a spread
+    covers every kind."""
+    if not n:
+        return []
+    return sorted({*range(min(first, n)), *np.linspace(0, n - 1, min(n, BALANCE_CONTEXTS)).astype(int).tolist()})
 
 
 def inner_negative_positions(contexts: list[tuple[int, ...]], answered: int = 0) -> list[np.ndarray]:
