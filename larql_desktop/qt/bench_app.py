@@ -100,7 +100,7 @@ def run_app_worker(spec: dict) -> dict:
             engine_decode: list[float] = []
             all_tokens: list[list[int]] = []
             process_first_token = None
-            cpu_ms: dict[str, list[float]] = {"gui": [], "engine": [], "l3-writer": []}
+            cpu_ms: dict[str, list[float]] = {"gui": [], "gui-decoding": [], "engine": [], "l3-writer": []}
             paired: list[dict] = []
             paired_l3: list[dict] = []
             headless_l3 = SqliteL3(tmp_dir / "headless-l3.sqlite3")
@@ -111,9 +111,11 @@ def run_app_worker(spec: dict) -> dict:
                 wait_for(client.stats, "switch to the new chat")
                 tab.input.setPlainText(prompt)
                 arrivals: list[tuple[float, object]] = []
+                gui_cpu_at: list[float] = []   # the GUI thread's CPU time at each token's arrival
 
-                def on_token(event, arrivals=arrivals):
+                def on_token(event, arrivals=arrivals, gui_cpu_at=gui_cpu_at):
                     arrivals.append((time.perf_counter(), event))
+                    gui_cpu_at.append(time.thread_time())
                 client.token.connect(on_token)
                 cpu_before = {"gui": time.thread_time(), "engine": _thread_cpu_seconds("engine"),
                               "l3-writer": _thread_cpu_seconds("l3-writer")}
@@ -132,6 +134,10 @@ def run_app_worker(spec: dict) -> dict:
                     raise RuntimeError(f"the reply had {len(events)} token(s); the bench needs a prompt with a "
                                        "longer answer")
                 first, last = arrivals[0][0], arrivals[len(events) - 1][0]
+                # What the GUI thread spent while the reply decoded (first to last token): the part of its work
+                # that competes with the decode, apart from the reply's start and end.
+                cpu_ms["gui-decoding"].append(1000 * (gui_cpu_at[len(events) - 1] - gui_cpu_at[0])
+                                              / max(1, len(events) - 1))
                 if process_first_token is None:
                     process_first_token = time.time() - (time.perf_counter() - first) - spec["spawned_at"]
                 decode_steps = len(events) - 1
@@ -160,6 +166,7 @@ def run_app_worker(spec: dict) -> dict:
                       "load_from_process_start_s": loaded_at - spec["spawned_at"]}
             result.update(summarise(timings))
             result["engine_decode_tok_s"] = sorted(engine_decode)[len(engine_decode) // 2]
+            result["engine_decode_tok_s_runs"] = engine_decode   # in run order, beside the runs' own
             ratios = sorted(t.decode_steps / t.decode_seconds / p["decode_tok_s"] for t, p in zip(timings, paired))
             ratios_l3 = sorted(t.decode_steps / t.decode_seconds / p["decode_tok_s"]
                                for t, p in zip(timings, paired_l3))
