@@ -11,6 +11,9 @@ while the window idles: `paired_cold` gives each app run's decode over its neigh
 load moves between the bench's processes cannot blur as much; and once more with an emptied SQLite L3 of its
 own (the app's tiers, without the window), which separates what the window costs from what the L3 costs.
 
+One untimed round comes first (a reply and its two neighbours; figures in `first_reply`): the process's first
+reply pays one-time costs its neighbours would not.
+
 The chat honours stop tokens, so a run may decode fewer than `tokens - 1` steps; its tok/s counts the steps it
 decoded.
 """
@@ -27,6 +30,13 @@ from pathlib import Path
 from larql_desktop.tools.bench import RunTiming, engine_for, greedy_run, peak_rss_bytes, summarise, worker_main
 
 REPLY_TIMEOUT_S = 600.0
+# The first reply of the process pays one-time costs (the engine thread's first bindings and arena growth, the
+# window's first paints of a reply) that the headless runs after it do not: it ran at ~0.6x its neighbours where
+# later replies ran at ~0.9-1.0x. So one round (a reply and its two headless neighbours) runs first and is
+# reported apart, as `first_reply`.
+# After each reply the window re-renders the chat, fills the token view and redraws the monitor: the headless
+# neighbours start once that is done, so they do not pay for the window's work either.
+SETTLE_S = 0.3
 
 
 def _thread_cpu_seconds(name: str) -> float | None:
@@ -68,6 +78,12 @@ def run_app_worker(spec: dict) -> dict:
         try:
             window.show()
 
+            def settle(seconds: float) -> None:
+                """Run the event loop for `seconds`: the window finishes what a reply's end set off."""
+                loop = QEventLoop()
+                QTimer.singleShot(int(seconds * 1000), loop.quit)
+                loop.exec()
+
             def wait_for(signal, what: str):
                 """Run the event loop until `signal` fires; returns its argument."""
                 loop, got = QEventLoop(), []
@@ -100,20 +116,22 @@ def run_app_worker(spec: dict) -> dict:
             engine_decode: list[float] = []
             all_tokens: list[list[int]] = []
             process_first_token = None
-            cpu_ms: dict[str, list[float]] = {"gui": [], "engine": [], "l3-writer": []}
+            cpu_ms: dict[str, list[float]] = {"gui": [], "gui-decoding": [], "engine": [], "l3-writer": []}
             paired: list[dict] = []
             paired_l3: list[dict] = []
             headless_l3 = SqliteL3(tmp_dir / "headless-l3.sqlite3")
-            for _ in range(runs):
+            for _ in range(runs + 1):   # the first round warms up (see WARM_UP) and is reported apart
                 client.submit(ClearCaches(client.next_request_id(), persistent=True))
                 wait_for(client.stats, "clear its caches")
                 tab = window.new_chat()
                 wait_for(client.stats, "switch to the new chat")
                 tab.input.setPlainText(prompt)
                 arrivals: list[tuple[float, object]] = []
+                gui_cpu_at: list[float] = []   # the GUI thread's CPU time at each token's arrival
 
-                def on_token(event, arrivals=arrivals):
+                def on_token(event, arrivals=arrivals, gui_cpu_at=gui_cpu_at):
                     arrivals.append((time.perf_counter(), event))
+                    gui_cpu_at.append(time.thread_time())
                 client.token.connect(on_token)
                 cpu_before = {"gui": time.thread_time(), "engine": _thread_cpu_seconds("engine"),
                               "l3-writer": _thread_cpu_seconds("l3-writer")}
@@ -132,6 +150,10 @@ def run_app_worker(spec: dict) -> dict:
                     raise RuntimeError(f"the reply had {len(events)} token(s); the bench needs a prompt with a "
                                        "longer answer")
                 first, last = arrivals[0][0], arrivals[len(events) - 1][0]
+                # What the GUI thread spent while the reply decoded (first to last token): the part of its work
+                # that competes with the decode, apart from the reply's start and end.
+                cpu_ms["gui-decoding"].append(1000 * (gui_cpu_at[len(events) - 1] - gui_cpu_at[0])
+                                              / max(1, len(events) - 1))
                 if process_first_token is None:
                     process_first_token = time.time() - (time.perf_counter() - first) - spec["spawned_at"]
                 decode_steps = len(events) - 1
@@ -143,6 +165,7 @@ def run_app_worker(spec: dict) -> dict:
                     if after is not None:
                         cpu_ms[name].append(1000 * (after - (cpu_before[name] or 0.0)) / len(events))
                 del finished
+                settle(SETTLE_S)
                 # The headless `cold` run beside it, in this process on the same loaded model while the window
                 # idles: on a machine whose load moves, a ratio of neighbours is what can be compared.
                 model = client.worker.model
@@ -156,10 +179,16 @@ def run_app_worker(spec: dict) -> dict:
                 session = engine.new_session()
                 paired_l3.append(greedy_run(model, session.kv, session.ffn, prompt, len(events)).to_dict())
                 engine.close_session(session)
+            first_reply = {"decode_tok_s": timings[0].decode_steps / timings[0].decode_seconds,
+                           "engine_decode_tok_s": engine_decode[0], "paired_cold_decode_tok_s": paired[0]["decode_tok_s"],
+                           "paired_cold_l3_decode_tok_s": paired_l3[0]["decode_tok_s"]}
+            for figures in (timings, engine_decode, all_tokens, paired, paired_l3, *cpu_ms.values()):
+                del figures[0]
             result = {"mode": "app", "load_seconds": info.load_seconds,
-                      "load_from_process_start_s": loaded_at - spec["spawned_at"]}
+                      "load_from_process_start_s": loaded_at - spec["spawned_at"], "first_reply": first_reply}
             result.update(summarise(timings))
             result["engine_decode_tok_s"] = sorted(engine_decode)[len(engine_decode) // 2]
+            result["engine_decode_tok_s_runs"] = engine_decode   # in run order, beside the runs' own
             ratios = sorted(t.decode_steps / t.decode_seconds / p["decode_tok_s"] for t, p in zip(timings, paired))
             ratios_l3 = sorted(t.decode_steps / t.decode_seconds / p["decode_tok_s"]
                                for t, p in zip(timings, paired_l3))

@@ -49,25 +49,67 @@ def make_model(nodes, inits, inputs, outputs, name: str) -> onnx.ModelProto:
 # onnxruntime creates that pool once per process, cannot resize it, and then refuses sessions with pools of
 # their own, so whether it exists is a fact about the process, remembered here.
 _shared_pool_size = 0
+_shared_pool_workers: tuple[int, ...] = ()   # native thread ids of the pool's worker threads (Linux)
 _shared_pool_lock = threading.Lock()
+# The shared pool's workers spin between kernels and between calls (onnxruntime offers no way to stop that for
+# its global pool: "session.force_spinning_stop" only acts on per-session pools), so while a model decodes they
+# hold a core even when there is no work. Run at this niceness, they yield that core to any other thread that
+# wants it (the app's GUI thread, the engine thread's own Python, other processes) and still take every core
+# nobody else wants. The calling thread runs any part of a kernel a worker has not picked up, so a worker
+# waiting for a core never holds a call back for long.
+POOL_WORKER_NICE = 10
 
 
-def share_thread_pool(threads: int) -> bool:
+def _native_thread_ids() -> set[int]:
+    """This process's threads (Linux: /proc/self/task; elsewhere nothing is known)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _start_environment() -> None:
+    """Create onnxruntime's environment, and with it the shared pool's threads, now (a one-node session)."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [], [x], [y], "start")
+    opts = ort.SessionOptions()
+    opts.use_per_session_threads = False
+    ort.InferenceSession(model.SerializeToString(), opts, providers=PROVIDERS)
+
+
+def shared_pool_workers() -> tuple[int, ...]:
+    """Native thread ids of the shared pool's worker threads (empty without the pool, or off Linux)."""
+    return _shared_pool_workers
+
+
+def share_thread_pool(threads: int, worker_nice: int = POOL_WORKER_NICE) -> bool:
     """Run every session this module makes on one onnxruntime pool of `threads` threads. For an entry point
-    (main) to call before any session exists: onnxruntime then refuses sessions with pools of their own in
-    this process, so a program that makes its own sessions should not call it. Returns whether the pool is in
-    place (False if onnxruntime sessions existed already, or a pool of another size did)."""
-    global _shared_pool_size
+    (main) to call before any session exists and before it starts threads of its own: onnxruntime then
+    refuses sessions with pools of their own in this process, so a program that makes its own sessions
+    should not call it. The pool's worker threads run at `worker_nice` (see POOL_WORKER_NICE; 0 leaves them
+    as they are). Returns whether the pool is in place (False if onnxruntime sessions existed already, or a
+    pool of another size did)."""
+    global _shared_pool_size, _shared_pool_workers
     threads = max(1, int(threads))
     with _shared_pool_lock:
         if _shared_pool_size:
             return _shared_pool_size == threads
+        before = _native_thread_ids()
         try:
             _C.set_global_thread_pool_sizes(threads, 1)
+            _start_environment()
         except Exception as exc:    # no C binding, or the environment exists already
             log.info("onnxruntime's shared thread pool is not available (%s); sessions get their own", exc)
             return False
         _shared_pool_size = threads
+        _shared_pool_workers = tuple(sorted(_native_thread_ids() - before))
+        if worker_nice:
+            for tid in _shared_pool_workers:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, worker_nice)
+                except (OSError, AttributeError) as exc:   # pragma: no cover - no setpriority, or refused
+                    log.info("could not lower onnxruntime's pool thread %d (%s)", tid, exc)
         return True
 
 
