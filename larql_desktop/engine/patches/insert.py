@@ -550,9 +550,16 @@ class Inserter:
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)
+            # The user's own phrasings are left out: a question typed as "X was founded long ago by a man
+            # called" asks for the answer at "by" too, and that one position outscored the canonical prompt.
+            for i in range(1, required):
+                inner_negatives[i] = inner_negatives[i][:0]
             tried = 0
-            for candidate in candidates:
-                if tried >= MAX_LAYERS_PER_TOKEN:
+            # Every layer keyed so the user's paraphrases fire too; if no layer can tell them from the
+            # negatives, every layer again with only the canonical prompt bound to fire.
+            attempts = [(c, required) for c in candidates] + ([(c, 1) for c in candidates] if required > 1 else [])
+            for candidate, must_fire in attempts:
+                if tried >= MAX_LAYERS_PER_TOKEN or (tried and must_fire < required):
                     break
                 stop.check()
                 fraction = base_fraction + span * (0.2 + 0.7 * tried / MAX_LAYERS_PER_TOKEN)
@@ -560,7 +567,7 @@ class Inserter:
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner_negatives)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg, required)
+                gate, bias, up, margin = fisher_key(pos, neg, must_fire)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
@@ -638,13 +645,16 @@ class Inserter:
     def completes(self, contexts, captured, tail: Sequence[int], wins: Callable[[int], bool],
                   overlay: PatchOverlay, always: int = 1) -> float:
         """Share of a spread of the contexts whose greedy next token after `tail` wins under the overlay (each
-        context's last position and `tail` re-run on its captured KV cache)."""
+        context's last position and `tail` re-run on its captured KV cache); 0 when a paraphrase the user typed
+        (contexts 1 .. always - 1) does not win (the canonical prompt has rescue_canonical)."""
         ffn = self.ffn(overlay)
         won = []
         for i in spread(len(captured), always):
             ids, kv = contexts[i], captured[i].kv
             kv.truncate(len(ids) - 1)
             won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
+        if not all(won[1:always]):     # spread lists the first `always` indices first
+            return 0.0
         return float(np.mean(won)) if won else 0.0
 
     def answers_with(self, ids: Sequence[int], overlay: PatchOverlay, targets: Sequence[int]) -> bool:
@@ -697,12 +707,15 @@ class Inserter:
             nonlocal spent
             ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
-            won = 0
+            won = []
             for kv, length, h, x in prefixes:
                 kv.truncate(length)
-                won += wins(transformer.resume(layer, h, x, kv, ffn)[-1])
+                won.append(wins(transformer.resume(layer, h, x, kv, ffn)[-1]))
                 spent += 1
-            return won / len(prefixes)
+            share = float(np.mean(won))
+            # A scale that loses a paraphrase the user typed is no success, whatever the share (spread lists
+            # those first; the canonical prompt, index 0, has rescue_canonical).
+            return share if all(won[1:always]) else min(share, np.nextafter(WIN_SHARE, 0.0))
 
         # Upward along the ladder until the target wins (a write too strong overshoots into other tokens, so
         # the share is not monotonic in the scale), then one geometric midpoint back towards the last miss.
