@@ -596,7 +596,8 @@ class Inserter:
         ops = self.rescue_canonical(canonical, targets, ops, current, fact, stop)
         patch = self.make_patch(fact, ops, paraphrases)
         final = PatchOverlay.build(current.patches + (patch,), self.base)
-        p_first = float(softmax(self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1])[targets[0]])
+        logits = self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1]
+        p_first = float(softmax(logits)[targets[0]])
         answers = self.answers_with(canonical, final, targets)
         train = [self.answers_with(positives[i], final, targets) for i in spread(len(positives))[:6]]
         report("Inserted", 1.0)
@@ -691,10 +692,10 @@ class Inserter:
 
     def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
                 overlay, op_for, alpha, stop: Cancel, tick, always: int = 1) -> tuple[float, float, int]:
-        """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits) on
-        WIN_SHARE of a spread of the contexts, with some headroom; the best scale found when none does. Each trial re-runs each context's
-        last position from `layer` (where the trial writes) on, from its capture. Returns (scale, share won,
-        forward passes spent)."""
+        """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits)
+        on WIN_SHARE of a spread of the contexts (and on every paraphrase the user typed), with some headroom;
+        the best scale found when none does. Each trial re-runs each context's last position from `layer`
+        (where the trial writes) on, from its capture. Returns (scale, share won, forward passes spent)."""
         transformer = self.model.transformer
         prefixes = []
         for i in spread(len(contexts), always):
