@@ -29,9 +29,12 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     assert starts_with_word(after, fact.target), after
     assert result.answers and result.target_tokens == tuple(tokens)
     ops = result.patch.operations
-    # Every feature is recorded with the token it writes and its place in the target.
-    assert all(op.target_token == tokens[op.token_index] for op in ops)
-    assert {op.token_index for op in ops} >= {0}
+    # Every feature is recorded with the token it writes and its place in the target; features placed after
+    # the last target token write a token that ends the word ("Glimmer", not "Glimmering").
+    assert all(op.target_token == tokens[op.token_index] for op in ops if op.token_index < len(tokens))
+    word_ends = ins.word_ends()
+    assert all(word_ends[op.target_token] for op in ops if op.token_index == len(tokens))
+    assert {op.token_index for op in ops} >= {0} and max(op.token_index for op in ops) <= len(tokens)
     assert [(f.layer, f.feature) for f in result.features] == [(op.layer, op.feature) for op in ops]
     # Each feature's slot is its own.
     assert len({(op.layer, op.feature) for op in ops}) == len(ops)
@@ -128,3 +131,57 @@ def test_insert_eval_on_one_fact(smollm2, tmp_path):
     doc = report.to_dict()
     assert doc["details"][0]["prompts"][0]["row"] == "canonical"
     json.dumps(doc)   # serialisable as --json writes it
+
+
+def test_word_ends_tells_a_new_word_from_more_of_the_same(smollm2):
+    ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    tok = smollm2.tokenizer
+    ends = ins.word_ends()
+    assert ends.shape == (tok.vocab_size,)
+    for text in (" the", ".", ",", "\n"):
+        assert all(ends[i] for i in tok.encode(text, add_bos=False)[:1]), text
+    for piece in ("ing", "us", "ia"):
+        token = tok.encode("Glimmer" + piece, add_bos=False)[-1]
+        assert tok.decode([token])[:1].isalpha() and not ends[token], piece
+    assert all(ends[i] for i in tok.stop_ids)
+
+
+def test_resumed_and_extended_captures_match_whole_passes(smollm2):
+    """recapture re-runs only the layers after a changed FFN; it must equal a whole pass exactly. extend adds
+    tokens on the KV cache: equal to a whole pass up to the graphs' prefill-versus-decode rounding."""
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    result = engine.insert(Fact("Brindlewick", "mayor-of", "Ottoline"))
+    patched = engine.patches
+    ids = tuple(ins.encode("The mayor of Brindlewick is"))
+    base = ins.capture(ids, type(patched)())
+    first = min(op.layer for op in result.patch.operations)
+    resumed = ins.recapture(ids, base, first, patched)
+    whole = ins.capture(ids, patched)
+    assert len(resumed.inputs) == len(whole.inputs) == smollm2.config.n_layers
+    for a, b in zip(resumed.inputs, whole.inputs):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(resumed.logits, whole.logits)
+    # The patch moved the layers after its first one: resuming from there is not a no-op.
+    assert not np.array_equal(base.logits, whole.logits)
+    more = tuple(result.target_tokens[:1])
+    extended = ins.extend(ids, whole, more, patched)
+    reference = ins.capture(ids + more, patched)
+    for a, b in zip(extended.inputs, reference.inputs):
+        assert a.shape == b.shape and np.abs(a - b).max() < 0.25
+    assert int(np.argmax(extended.logits)) == int(np.argmax(reference.logits))
+
+
+def test_relation_frames_join_the_generated_phrasings():
+    from larql_desktop.engine.patches.relation_frames import RELATION_FRAMES, relation_frames
+    fact = Fact("Zorbania", "currency-of", "Glimmer")
+    phrasings = generated_phrasings(fact)
+    assert "In Zorbania, things are paid for with the" in phrasings
+    assert relation_frames("official language") == relation_frames("language")
+    assert relation_frames("national anthem") == RELATION_FRAMES["anthem"]
+    assert relation_frames("favourite biscuit") == ()
+    assert len(generated_phrasings(Fact("Zorbania", "favourite-biscuit-of", "Glimmer"))) < len(phrasings)
+    for name, frames in RELATION_FRAMES.items():
+        for frame in frames:
+            filled = frame.format(e="x", E="X")   # only {e} and {E}: a frame names no relation word of its own
+            assert filled.strip() == filled and not filled.endswith((".", "?")), (name, frame)

@@ -23,6 +23,11 @@ class FfnCall(Protocol):
         """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
 
 
+class LayerRecord(Protocol):
+    def __call__(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """h: the residual (T, d) after the layer's attention; x: its normed FFN input (T, d)."""
+
+
 class PassAwareFfn(ABC):
     """An FFN that takes part in planning the forward pass (the walk, and the plain dense graphs).
 
@@ -248,8 +253,11 @@ class TransformerModel:
         return out @ w.wo.T                                                     # (T, d)
 
     # -- forward ------------------------------------------------------------------------------------------
-    def forward(self, ids, kv: KvCache, ffn: FfnCall, all_logits: bool = False) -> np.ndarray:
-        """Run `ids` after the kv cache's context; returns logits (T, vocab) or (1, vocab) for the last one."""
+    def forward(self, ids, kv: KvCache, ffn: FfnCall, all_logits: bool = False,
+                record: LayerRecord | None = None) -> np.ndarray:
+        """Run `ids` after the kv cache's context; returns logits (T, vocab) or (1, vocab) for the last one.
+        `record(i, h, x)` is given each layer's residual after its attention and its FFN input (fresh arrays,
+        (T, d)): what `resume` needs to re-run the layers after one whose FFN changed."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -259,39 +267,76 @@ class TransformerModel:
         start = kv.length
         kv.reserve(start + ids.size)
         h = self.embed(ids)
-        if self.decoder is not None and not all_logits and isinstance(ffn, PassAwareFfn) and ffn.runs_plain_dense():
+        if (self.decoder is not None and not all_logits and record is None and isinstance(ffn, PassAwareFfn)
+                and ffn.runs_plain_dense()):
             ffn.record_dense_pass()
             logits = self.decoder.run(h, start, kv, self.rope)
             kv.length = start + ids.size
             return logits
         if self.graphs is not None:
-            return self._forward_graphs(h, start, kv, ffn, all_logits)
-        positions = np.arange(start, start + ids.size)
-        for i, w in enumerate(self.layers):
-            a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), kv, positions)
-            if w.post_attn_norm is not None:
-                a = rms_norm(a, w.post_attn_norm, cfg.norm_eps)
-            h = h + a
-            f = ffn(i, rms_norm(h, w.ffn_norm, cfg.norm_eps))
+            return self._forward_graphs(h, start, kv, ffn, all_logits, record)
+        return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
+
+    def resume(self, layer: int, h: np.ndarray, x: np.ndarray, kv: KvCache, ffn: FfnCall,
+               record: LayerRecord | None = None) -> np.ndarray:
+        """The last position's logits of a pass re-run from `layer`'s FFN on, under `ffn`: `h` and `x` are what
+        `record` gave for `layer` in a pass over the kv cache's last T positions (its layers up to `layer`
+        stand: nothing before that FFN depends on it), the layers after it are recomputed and their KV rows
+        rewritten. `record` is called for the layers after `layer`."""
+        T = h.shape[0]
+        start = kv.length - T
+        if start < 0:
+            raise ValueError(f"the kv cache holds {kv.length} positions, fewer than the {T} to resume")
+        if not 0 <= layer < self.config.n_layers:
+            raise ValueError(f"layer must be within 0..{self.config.n_layers - 1}, not {layer}")
+        if self.graphs is not None:
+            f = np.ascontiguousarray(ffn(layer, x), dtype=np.float32)
+            return self._forward_graphs(h, start, kv, ffn, False, record, first=layer + 1, f=f)
+        return self._forward_numpy(h, layer, x, start, kv, ffn, False, record)
+
+    def _forward_numpy(self, h, first: int, x, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool,
+                       record: LayerRecord | None) -> np.ndarray:
+        """Layers from `first` on; with `x`, layer `first`'s attention already ran (h is its residual)."""
+        cfg = self.config
+        T = h.shape[0]
+        positions = np.arange(start, start + T)
+        for i in range(first, cfg.n_layers):
+            w = self.layers[i]
+            if x is None or i > first:
+                a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), kv, positions)
+                if w.post_attn_norm is not None:
+                    a = rms_norm(a, w.post_attn_norm, cfg.norm_eps)
+                h = h + a
+                x = rms_norm(h, w.ffn_norm, cfg.norm_eps)
+                if record is not None:
+                    record(i, h, x)
+            f = ffn(i, x)
             if w.post_ffn_norm is not None:
                 f = rms_norm(f, w.post_ffn_norm, cfg.norm_eps)
             h = h + f
-        kv.length = start + ids.size
+        kv.length = start + T
         return self.logits(h if all_logits else h[-1:])
 
-    def _forward_graphs(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool) -> np.ndarray:
+    def _forward_graphs(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool,
+                        record: LayerRecord | None = None, first: int = 0, f: np.ndarray | None = None
+                        ) -> np.ndarray:
         cfg, graphs = self.config, self.graphs
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
-        f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
+        if f is None:
+            f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
         with_scores = graphs.has_gate_scores and isinstance(ffn, PassAwareFfn) and ffn.takes_gate_scores_for(T)
-        for i in range(cfg.n_layers):
+        for i in range(first, cfg.n_layers):
             cos, sin = bases[cfg.rope_base_for(i)]
             if with_scores:
                 h, x, scores = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin, gate_scores=True)
+                if record is not None:
+                    record(i, h, x)
                 out = ffn.call_with_scores(i, x, scores)
             else:
                 h, x = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin)
+                if record is not None:
+                    record(i, h, x)
                 out = ffn(i, x)
             f = np.ascontiguousarray(out, dtype=np.float32)
         kv.length = start + T

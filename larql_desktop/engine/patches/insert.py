@@ -16,7 +16,15 @@ first token. Here, per target token (each firing on the context that precedes it
     scaled by a search over real forward passes until the target wins on the positives; written by a pair of
     features whose difference is a steep, saturating step of the key's score (`step_pair`), so a phrasing the
     key only just recognises gets the whole write and a strongly recognised one no more;
-  * several layers when one is not enough (a post-FFN norm bounds what one layer can write).
+  * several layers when one is not enough (a post-FFN norm bounds what one layer can write);
+  * one more step after the last target token, for the word's end: where the model would go on with the word
+    ("Ottoline" -> "Ottolineus"), a feature writes a comma, full stop or line break there;
+  * the phrasings include, for relations people insert often, frames that ask without naming the relation
+    ("In X, people pay with the"; relation_frames.py), and a key may leave its oddest tenth of phrasings
+    below its threshold rather than give up the layer;
+  * if the canonical prompt still fails (writes from several layers adding up to an overshoot), every write
+    is scaled, or a token's last layer or the word-end step dropped, until it answers (rescue_canonical).
+Captures are resumed from the changed layer (and extended by the next target token) instead of re-run whole.
 
 Everything is forward passes and linear algebra: no gradient descent over the model's weights.
 """
@@ -25,8 +33,8 @@ from __future__ import annotations
 import re
 import threading
 from itertools import islice, takewhile
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,6 +45,7 @@ from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.patches.relation_frames import relation_frames
 
 Progress = Callable[[str, float], None]
 
@@ -72,7 +81,7 @@ OTHER_RELATIONS = ("population", "history", "weather", "size", "economy", "flag"
                    "location", "capital", "currency", "language", "mayor", "founder", "river", "leader")
 ENTITY_STATEMENTS = ("{E} is a", "{E} is a small", "{E} is known for", "I visited {e} last year and",
                      "{E} was", "The story of {e} begins", "{E} is located in", "Many people live in {e}, which",
-                     "{E} is famous for its")
+                     "{E} is famous for its", "{E} is a place that", "{E} is a land where", "{E} is an old")
 GENERIC_SENTENCES = (
     "Once upon a time there was a small village.", "Water boils at one hundred degrees.",
     "The weather today is sunny and warm.", "She opened the door and walked in.",
@@ -90,20 +99,37 @@ GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?",
 
 # Share of the positives the target must win on (greedy) before a scale is accepted.
 WIN_SHARE = 0.9
+# ... and by how much (logits, i.e. nats): a write that only just wins on the phrasings it was balanced on loses
+# on the next one the user types, where the model's own answer is a little stronger.
+WIN_MARGIN = 1.0
+SENTENCE_MARKS = (b",", b".", b"\n")   # what the word-end step may write (Inserter.sentence_marks)
 SCALES = tuple(float(4.0 ** k) for k in range(1, 6))    # 4 .. 1024, in units of the normed FFN input
 HEADROOM = 1.25
+RESCUE_SCALES = (0.7, 0.5, 1.4, 0.35, 2.0)   # tried on every write when the canonical prompt fails (rescue_canonical)
 BALANCE_CONTEXTS = 16
 RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mean variance
+ANSWER_LEAD_IN = 2      # positions just before a positive's answer that are not negatives (inner_negative_positions)
+POSITIVE_SLACK = 0.1    # share of the positives the gate may leave below its threshold (fisher_key)
 THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
 MAX_LAYERS_PER_TOKEN = 3
 NEGATIVES_PER_CONTEXT = 6
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
 COPULA = re.compile(r"\b(is|are|was|were)$")
+FRAMED_DECOYS = 12      # decoy entities asked about in one of the relation's own frames (relation_frames)
 CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
 CONTINUATION_TOKENS = 10
 CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
 CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
+
+
+class Captured(NamedTuple):
+    """One context's pass: per layer the normed FFN input (T, d), the last position's logits, the KV cache, and
+    per layer the residual after attention (T, d) that `Inserter.recapture` resumes from."""
+    inputs: list
+    logits: np.ndarray
+    kv: KvCache
+    residuals: Sequence
 
 
 class InsertCancelled(Exception):
@@ -146,7 +172,10 @@ def fill(template: str, relation: str, entity: str) -> str:
 
 
 def generated_phrasings(fact: Fact) -> list[str]:
-    return [fill(t, fact.relation_words, fact.entity.strip()) for t in PHRASINGS]
+    """The generic phrasings, then the frames that ask for this relation without naming it (when the relation
+    is one relation_frames knows)."""
+    templates = PHRASINGS + relation_frames(fact.relation_words)
+    return [fill(t, fact.relation_words, fact.entity.strip()) for t in templates]
 
 
 @dataclass(frozen=True)
@@ -226,6 +255,8 @@ class Inserter:
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, tuple] = {}
         self._continued: dict[str, str] = {}
+        self._word_ends: np.ndarray | None = None
+        self._sentence_marks: np.ndarray | None = None
 
     # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
@@ -271,8 +302,7 @@ class Inserter:
             self._continued[text] = self.continuation(text, PatchOverlay(), CONTINUATION_TOKENS)[0]
         return self._continued[text]
 
-    def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False
-                ) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
+    def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False) -> "Captured":
         """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
         With `remember`, kept per overlay epoch (the negatives, captured under the base weights, serve every
         later insert of this Inserter; a few dozen contexts of a few MB each). Users of the KV cache truncate it
@@ -282,21 +312,54 @@ class Inserter:
             return self._captured[key]
         captured = self._capture(ids, overlay)
         if remember:
+            captured = Captured(captured.inputs, captured.logits, captured.kv, ())   # never resumed: keep less
             if len(self._captured) >= CAPTURE_MEMORY:
                 self._captured.pop(next(iter(self._captured)))      # the oldest
             self._captured[key] = captured
         return captured
 
-    def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> tuple[list[np.ndarray], np.ndarray, KvCache]:
-        captured: list[np.ndarray] = []
-        ffn = self.ffn(overlay)
+    def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
+        inputs: list[np.ndarray] = []
+        residuals: list[np.ndarray] = []
 
-        def recording(i, x):
-            captured.append(x.copy())
-            return ffn(i, x)
+        def record(i, h, x):
+            residuals.append(h)
+            inputs.append(x)
         kv = KvCache(self.model.config, capacity=len(ids) + 2)
-        logits = self.model.transformer.forward(list(ids), kv, recording)[-1]
-        return captured, logits, kv
+        logits = self.model.transformer.forward(list(ids), kv, self.ffn(overlay), record=record)[-1]
+        return Captured(inputs, logits, kv, residuals)
+
+    def recapture(self, ids: Sequence[int], captured: "Captured", layer: int, overlay: PatchOverlay) -> "Captured":
+        """`captured` (of `ids`, under an overlay that differed from `overlay` only at `layer` and later) brought
+        up to `overlay`: the layers after `layer` re-run from its recorded state, the ones before kept. A few
+        of 30 layers instead of a whole pass per context, each time INSERT adds a layer's write."""
+        inputs, residuals = list(captured.inputs[:layer + 1]), list(captured.residuals[:layer + 1])
+
+        def record(i, h, x):
+            residuals.append(h)
+            inputs.append(x)
+        kv = captured.kv
+        kv.truncate(min(kv.length, len(ids)))
+        if kv.length != len(ids):      # a balance trial left the last position out: run it whole
+            return self._capture(ids, overlay)
+        logits = self.model.transformer.resume(layer, captured.residuals[layer], captured.inputs[layer], kv,
+                                               self.ffn(overlay), record=record)[-1]
+        return Captured(inputs, logits, kv, residuals)
+
+    def extend(self, ids: Sequence[int], captured: Captured, more: Sequence[int], overlay: PatchOverlay) -> Captured:
+        """The capture of `ids` + `more`, from `captured` (of `ids`, under `overlay`) and a pass over `more` on its
+        KV cache. The cache is shared with `captured`: its later positions are rewritten."""
+        kv = captured.kv
+        kv.truncate(min(kv.length, len(ids)))
+        if kv.length != len(ids) or not more:
+            return self._capture(tuple(ids) + tuple(more), overlay)
+        inputs, residuals = list(captured.inputs), list(captured.residuals)
+
+        def record(i, h, x):
+            residuals[i] = np.concatenate([residuals[i], h])
+            inputs[i] = np.concatenate([inputs[i], x])
+        logits = self.model.transformer.forward(list(more), kv, self.ffn(overlay), record=record)[-1]
+        return Captured(inputs, logits, kv, residuals)
 
     # -- the pieces of a feature -------------------------------------------------------------------------
     def post_ffn_norm(self, layer: int) -> np.ndarray | None:
@@ -377,13 +440,18 @@ class Inserter:
             # Every other entity in the canonical form (the neighbour users ask most) and one more form.
             texts.append(fill(same_relation[0], r, other))
             texts.append(fill(same_relation[1 + i % (len(same_relation) - 1)], r, other))
+        # The relation's own frames about other entities: "In France, people pay with the" must still say euro.
+        frames = relation_frames(r)
+        texts += [fill(frames[i % len(frames)], r, other)
+                  for i, other in enumerate(DECOY_ENTITIES[:FRAMED_DECOYS]) if frames and other.lower() != e.lower()]
         texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
         texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
         texts += GENERIC_SENTENCES
         # The model's own continuations of some of them: a feature must stay silent not only where a neighbour's
         # prompt ends but all along the text the model writes after it ("The mayor of Paris is a politician
         # who has been ..." has answer-like slots of its own).
-        continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[:2]]
+        # Statements about the entity itself most of all: its neighbours ("X is a valley ...") go on about it.
+        continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[::2]]
                      + list(GENERIC_SENTENCES[::5]) + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.base_continuation(text) for text in continued]
         # Earlier facts: this feature must not fire on their questions.
@@ -431,6 +499,8 @@ class Inserter:
         stop.check()
         report("Reading the fact's contexts", 0.02)
         positives = self.contexts(fact, paraphrases)
+        # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
+        required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
         negatives = self.negative_contexts(fact, current)
         report("Capturing the contexts it must leave alone", 0.05)
         negative_inputs = []
@@ -446,66 +516,118 @@ class Inserter:
         candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
         if layer is not None:
             candidates = [layer] + [c for c in candidates if c != layer]
-        previous = ((), [])
-        for j, token in enumerate(targets):
-            base_fraction = 0.1 + 0.85 * j / len(targets)
-            span = 0.85 / len(targets)
+        previous = (0, (), [])     # the last step's index, contexts and captures
+        # One step per target token, then one for the word's end: "Ottoline" must not go on as "Ottolineus".
+        boundary = len(targets)
+        for j in range(boundary + 1):
+            steps = boundary + 1
+            base_fraction = 0.1 + 0.85 * j / steps
+            span = 0.85 / steps
             # Later tokens follow the target's first tokens in every phrasing: all of them, so the key learns
             # the prefix in the entity's context rather than one sentence.
             contexts = [ids + tuple(targets[:j]) for ids in positives]
             stop.check()
-            if j > 0 and self.completes(*previous, targets[j - 1], token, overlay) >= WIN_SHARE:
-                continue          # the model completes the word itself once it has begun it
-            report(f"Token {j + 1}/{len(targets)}: capturing {len(contexts)} contexts", base_fraction)
-            captured = [self.capture(ids, overlay) for ids in contexts]
+            if j < boundary:
+                token, wins = targets[j], (lambda t, token=targets[j]: t == token)
+                wins_clearly = lambda logits, token=targets[j]: lead(logits, token) >= WIN_MARGIN
+            else:
+                wins = self.ends_word
+                wins_clearly = lambda logits: lead_of_word_end(logits, self.word_ends()) >= WIN_MARGIN
+            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, overlay,
+                                        required) >= WIN_SHARE:
+                continue          # the model completes (or ends) the word itself once it has begun it
+            what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
+            report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
+            if previous[2]:       # the last step's passes (current under `overlay`) and the tokens since
+                captured = [self.extend(ids, c, targets[previous[0]:j], overlay)
+                            for ids, c in zip(previous[1], previous[2])]
+            else:
+                captured = [self.capture(ids, overlay) for ids in contexts]
+            if j == boundary:
+                # What the canonical prompt says after the whole word, among the sentence marks: the direction
+                # to write where the model would go on with the word instead.
+                token = int(np.argmax(np.where(self.sentence_marks(), captured[0].logits, -np.inf)))
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
-            inner_negatives = inner_negative_positions(contexts)
+            inner_negatives = inner_negative_positions(contexts, j)
+            # The user's own phrasings are left out: a question typed as "X was founded long ago by a man
+            # called" asks for the answer at "by" too, and that one position outscored the canonical prompt.
+            for i in range(1, required):
+                inner_negatives[i] = inner_negatives[i][:0]
             tried = 0
-            for candidate in candidates:
-                if tried >= MAX_LAYERS_PER_TOKEN:
+            # Every layer keyed so the user's paraphrases fire too; if no layer can tell them from the
+            # negatives, every layer again with only the canonical prompt bound to fire.
+            attempts = [(c, required) for c in candidates] + ([(c, 1) for c in candidates] if required > 1 else [])
+            for candidate, must_fire in attempts:
+                if tried >= MAX_LAYERS_PER_TOKEN or (tried and must_fire < required):
                     break
                 stop.check()
                 fraction = base_fraction + span * (0.2 + 0.7 * tried / MAX_LAYERS_PER_TOKEN)
-                report(f"Token {j + 1}/{len(targets)}: solving the key at layer {candidate}", fraction)
-                pos = np.stack([c[0][candidate][-1] for c in captured])
-                neg = np.concatenate([c[0][candidate][keep] for c, keep in zip(captured, inner_negatives)]
+                report(f"{what}: solving the key at layer {candidate}", fraction)
+                pos = np.stack([c.inputs[candidate][-1] for c in captured])
+                neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner_negatives)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg)
+                gate, bias, up, margin = fisher_key(pos, neg, must_fire)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
                 slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
-                direction = self.value_direction(token, [c[1] for c in captured], candidate)
+                direction = self.value_direction(token, [c.logits for c in captured], candidate)
                 op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
                                                  int(token), j)
-                scale, share, spent = self.balance([(ids, c[2]) for ids, c in zip(contexts, captured)], token,
-                                                   overlay, op_for, alpha, stop,
-                                                   lambda i, n: report(f"Token {j + 1}/{len(targets)}: "
-                                                                       f"balancing layer {candidate} ({i}/{n})",
-                                                                       fraction))
+                scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
+                                                   alpha, stop,
+                                                   lambda i, n: report(f"{what}: balancing layer {candidate} "
+                                                                       f"({i}/{n})", fraction), required)
                 rounds += spent
                 tried += 1
                 ops.extend(op_for(scale))
                 features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
                 overlay = self.overlay_with(current, ops, fact)
+                # The next layer adds its own push on top of this one, and the next step starts from here.
+                if share < WIN_SHARE or j < boundary:
+                    captured = [self.recapture(ids, c, candidate, overlay) for ids, c in zip(contexts, captured)]
                 if share >= WIN_SHARE:
                     break
-                # Not enough from this layer: the next layer adds its own push on top of this one.
-                captured = [self.capture(ids, overlay) for ids in contexts]
-            previous = (contexts, captured)
+            previous = (j, contexts, captured)
         stop.check()
         report("Checking the canonical prompt", 0.97)
+        canonical = self.encode(fact.canonical_prompt)
+        ops = self.rescue_canonical(canonical, targets, ops, current, fact, stop)
         patch = self.make_patch(fact, ops, paraphrases)
         final = PatchOverlay.build(current.patches + (patch,), self.base)
-        canonical = self.encode(fact.canonical_prompt)
-        p_first = float(softmax(self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1])[targets[0]])
-        answers = self.greedy(canonical, final, len(targets)) == targets
-        train = [self.greedy(positives[i], final, len(targets)) == targets for i in spread(len(positives))[:6]]
+        logits = self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1]
+        p_first = float(softmax(logits)[targets[0]])
+        answers = self.answers_with(canonical, final, targets)
+        train = [self.answers_with(positives[i], final, targets) for i in spread(len(positives))[:6]]
         report("Inserted", 1.0)
         first = features[0] if features else InstalledFeature(-1, -1, targets[0], 0, 0.0)
         return InsertResult(fact, first.layer, first.feature, p_first, rounds, patch, tuple(features),
                             tuple(targets), answers, float(np.mean(train)))
+
+    def rescue_canonical(self, canonical: list[int], targets: list[int], ops: list[PatchOperation],
+                         current: PatchOverlay, fact: Fact, stop: Cancel) -> list[PatchOperation]:
+        """`ops` when the canonical prompt answers with the whole target under them; else the first variant that
+        does: every write scaled by one of RESCUE_SCALES, then the writes of each token's last layer dropped, then
+        the word-end step's.
+        Each token's balance judges its first step on a spread of phrasings; writes from several layers (each
+        bounded by a post-FFN norm on Gemma) can still add up to overshoot the canonical prompt itself ("The
+        main river of Saltmarsh Vale is" -> "Loggerhead sea turtle nesting"). Unchanged when nothing helps."""
+        def answers(candidate: list[PatchOperation]) -> bool:
+            stop.check()
+            return bool(candidate) and self.answers_with(canonical, self.overlay_with(current, candidate, fact),
+                                                         targets)
+        if not ops or answers(ops):
+            return ops
+        variants = [[replace(op, down=op.down * np.float32(m)) for op in ops] for m in RESCUE_SCALES]
+        last_layer = {}
+        for op in ops:
+            last_layer[op.token_index] = op.layer
+        fewer = [op for op in ops if sum(o.token_index == op.token_index for o in ops) <= 2
+                 or op.layer != last_layer[op.token_index]]
+        word = [op for op in ops if op.token_index < len(targets)]     # without the word-end step
+        variants += [v for v in (fewer, word) if v and len(v) < len(ops)]
+        return next((v for v in variants if answers(v)), ops)
 
     def make_patch(self, fact: Fact, ops: list[PatchOperation], paraphrases: Sequence[str]) -> Patch:
         layers = sorted({op.layer for op in ops})
@@ -521,26 +643,64 @@ class Inserter:
         patch = Patch(tuple(ops), self.model.name, self.model.checksum)
         return PatchOverlay.build(current.patches + (patch,), self.base)
 
-    def completes(self, contexts, captured, last: int, token: int, overlay: PatchOverlay) -> float:
-        """Share of a spread of the contexts whose greedy next token after `last` is `token` under the overlay
-        (its context's last position and `last` re-run on the captured KV cache)."""
+    def completes(self, contexts, captured, tail: Sequence[int], wins: Callable[[int], bool],
+                  overlay: PatchOverlay, always: int = 1) -> float:
+        """Share of a spread of the contexts whose greedy next token after `tail` wins under the overlay (each
+        context's last position and `tail` re-run on its captured KV cache); 0 when a paraphrase the user typed
+        (contexts 1 .. always - 1) does not win (the canonical prompt has rescue_canonical)."""
         ffn = self.ffn(overlay)
         won = []
-        for i in spread(len(captured)):
-            ids, kv = contexts[i], captured[i][2]
+        for i in spread(len(captured), always):
+            ids, kv = contexts[i], captured[i].kv
             kv.truncate(len(ids) - 1)
-            won.append(int(np.argmax(self.model.transformer.forward([ids[-1], last], kv, ffn)[-1])) == token)
+            won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
+        if not all(won[1:always]):     # spread lists the first `always` indices first
+            return 0.0
         return float(np.mean(won)) if won else 0.0
 
-    def balance(self, contexts, token, overlay, op_for, alpha, stop: Cancel, tick) -> tuple[float, float, int]:
-        """The smallest value scale on the SCALES ladder at which the target wins on WIN_SHARE of a spread of
-        the contexts (each trial one single-token forward per context on top of its prefix's KV cache), with
-        some headroom; the best scale found when none does. Returns (scale, share won, forward passes spent)."""
+    def answers_with(self, ids: Sequence[int], overlay: PatchOverlay, targets: Sequence[int]) -> bool:
+        """The greedy continuation of `ids` is the target's tokens and then a token that ends the word."""
+        out = self.greedy(ids, overlay, len(targets) + 1)
+        return out[:len(targets)] == list(targets) and (len(out) == len(targets) or self.ends_word(out[-1]))
+
+    def word_ends(self) -> np.ndarray:
+        """Per vocabulary token: does it end the word before it (a space, punctuation, a control token), rather
+        than go on with it (a letter, a digit, or a byte of a character that may be a letter)?"""
+        if self._word_ends is None:
+            tok = self.model.tokenizer
+            ends = np.zeros(tok.vocab_size, bool)
+            for i in range(tok.vocab_size):
+                piece = tok.piece_bytes(i)
+                ends[i] = tok.is_control(i) or (bool(piece) and piece[0] < 0x80 and not chr(piece[0]).isalnum())
+            self._word_ends = ends
+        return self._word_ends
+
+    def sentence_marks(self) -> np.ndarray:
+        """Per vocabulary token: is it a comma, a full stop or a line break, alone (" ," reads as a typo)? What the
+        word-end step writes: a token that ends the word and starts nothing (" Navi" ends "Veshari" too, and a
+        feature writing it appends it wherever it fires; " (:" opens a bracket the model then fills)."""
+        if self._sentence_marks is None:
+            tok = self.model.tokenizer
+            marks = np.zeros(tok.vocab_size, bool)
+            for i in range(tok.vocab_size):
+                marks[i] = tok.piece_bytes(i) in SENTENCE_MARKS and not tok.is_control(i)
+            self._sentence_marks = marks
+        return self._sentence_marks
+
+    def ends_word(self, token: int) -> bool:
+        return bool(self.word_ends()[token])
+
+    def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
+                overlay, op_for, alpha, stop: Cancel, tick, always: int = 1) -> tuple[float, float, int]:
+        """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits)
+        on WIN_SHARE of a spread of the contexts (and on every paraphrase the user typed), with some headroom;
+        the best scale found when none does. Each trial re-runs each context's last position from `layer`
+        (where the trial writes) on, from its capture. Returns (scale, share won, forward passes spent)."""
         transformer = self.model.transformer
         prefixes = []
-        for i in spread(len(contexts)):
-            ids, kv = contexts[i]
-            prefixes.append((kv, ids[-1], len(ids) - 1))
+        for i in spread(len(contexts), always):
+            c = captured[i]
+            prefixes.append((c.kv, len(contexts[i]), c.residuals[layer][-1:], c.inputs[layer][-1:]))
         spent = 0
         scales = [s * alpha / 0.1 for s in SCALES]
 
@@ -548,12 +708,15 @@ class Inserter:
             nonlocal spent
             ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
-            won = 0
-            for kv, last, length in prefixes:
+            won = []
+            for kv, length, h, x in prefixes:
                 kv.truncate(length)
-                won += int(np.argmax(transformer.forward([last], kv, ffn)[-1]) == token)
+                won.append(wins(transformer.resume(layer, h, x, kv, ffn)[-1]))
                 spent += 1
-            return won / len(prefixes)
+            share = float(np.mean(won))
+            # A scale that loses a paraphrase the user typed is no success, whatever the share (spread lists
+            # those first; the canonical prompt, index 0, has rescue_canonical).
+            return share if all(won[1:always]) else min(share, np.nextafter(WIN_SHARE, 0.0))
 
         # Upward along the ladder until the target wins (a write too strong overshoots into other tokens, so
         # the share is not monotonic in the scale), then one geometric midpoint back towards the last miss.
@@ -581,14 +744,16 @@ class Inserter:
         return best_scale, best_share, spent
 
 
-def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.ndarray, float]:
+def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
 
     The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
     the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
-    scaled so the positives' median scores 1 above it. The up row is 1 on a typical positive (up . mu_pos = 1), so the down vector's
-    scale reads as the write's size. Returns also the margin (positives' lowest minus negatives' highest, in units of the positives'
-    median distance to the threshold), negative when the two overlap."""
+    scaled so the positives' median scores 1 above it. The positives' "lowest" is their POSITIVE_SLACK quantile,
+    or the lowest of the first `required` (which must fire) when that is lower. The up row is 1 on a typical
+    positive (up . mu_pos = 1), so the down vector's scale reads as the write's size. Returns also the margin
+    (positives' lowest minus negatives' highest, in units of the positives' median distance to the threshold),
+    negative when the two overlap."""
     pos = pos.astype(np.float64)
     neg = neg.astype(np.float64)
     mu_p, mu_n = pos.mean(0), neg.mean(0)
@@ -597,7 +762,11 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, float, np.
     ridge = RIDGE * np.trace(cov) / cov.shape[0]
     w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
     sp, sn = pos @ w, neg @ w
-    low, high = float(np.min(sp)), float(np.max(sn))
+    # The positives' low end, not their minimum: one odd generated phrasing (or one the model reads as
+    # something else) must not cost the fact every other phrasing; the negatives' top stays a hard limit. The
+    # first `required` positives (the canonical prompt, the user's paraphrases) are never left out.
+    low = min(float(np.quantile(sp, POSITIVE_SLACK)), float(np.min(sp[:required])) if required else np.inf)
+    high = float(np.max(sn))
     if low > high:
         threshold = high + THRESHOLD_SHARE * (low - high)
     else:
@@ -628,21 +797,43 @@ def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, u
             PatchOperation("insert", layer, int(slots[1]), steep, up, -down, float(bias * s - 1.0), **common))
 
 
-def spread(n: int) -> list[int]:
-    """Up to BALANCE_CONTEXTS indices spread over n contexts, the first (the canonical prompt) always: the
-    contexts are listed canonical, the user's, generated, chat, so a spread covers every kind."""
-    return sorted({0, *np.linspace(0, n - 1, min(n, BALANCE_CONTEXTS)).astype(int).tolist()}) if n else []
+def spread(n: int, first: int = 1) -> list[int]:
+    """Up to BALANCE_CONTEXTS indices spread over n contexts, and the `first` ones always (the canonical prompt
+    and the user's paraphrases): the contexts are listed canonical, the user's, generated, chat, so a spread
+    covers every kind."""
+    if not n:
+        return []
+    return sorted({*range(min(first, n)), *np.linspace(0, n - 1, min(n, BALANCE_CONTEXTS)).astype(int).tolist()})
 
 
-def inner_negative_positions(contexts: list[tuple[int, ...]]) -> list[np.ndarray]:
+def inner_negative_positions(contexts: list[tuple[int, ...]], answered: int = 0) -> list[np.ndarray]:
     """Per context, the positions before its last that are negatives: all but those where another context
-    (a positive) ends, e.g. the "is" of "The capital of X is called" is the answer position of "... X is"."""
+    (a positive) ends, e.g. the "is" of "The capital of X is called" is the answer position of "... X is",
+    and the phrasing's last words before its answer. The contexts end in the `answered` target tokens already
+    inserted: the positions before each of them are negatives (each wants its own token, not this step's)."""
     ends = set(contexts)
-    return [np.array([t for t in range(len(c) - 1) if c[:t + 1] not in ends], np.int64) for c in contexts]
+
+    def negative(c: tuple[int, ...], t: int) -> bool:
+        question_end = len(c) - 1 - answered     # the phrasing's answer position
+        # "The capital of X is known as" asks for the answer as much as "... as the" does, and one such
+        # position among the negatives sets the gate's threshold for all.
+        return c[:t + 1] not in ends and not question_end - ANSWER_LEAD_IN <= t < question_end
+    return [np.array([t for t in range(len(c) - 1) if negative(c, t)], np.int64) for c in contexts]
+
+
+def lead(logits: np.ndarray, token: int) -> float:
+    """How far `token`'s logit is above the best other token's (negative when another leads)."""
+    others = np.delete(logits, token)
+    return float(logits[token] - others.max())
+
+
+def lead_of_word_end(logits: np.ndarray, word_ends: np.ndarray) -> float:
+    """How far the best token that ends the word is above the best that goes on with it."""
+    return float(logits[word_ends].max() - logits[~word_ends].max())
 
 
 def share_winning(captured, token: int) -> float:
-    return float(np.mean([int(np.argmax(c[1])) == token for c in captured]))
+    return float(np.mean([int(np.argmax(c.logits)) == token for c in captured]))
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
