@@ -93,7 +93,12 @@ GENERIC_SENTENCES = (
     "import numpy as np\nx = np.zeros(3)", "The largest city in the country is also its capital.",
     "Scientists discovered a new species of frog.", "The recipe needs two eggs, flour and sugar.",
     "My favourite colour is blue, and my brother likes green.", "The first man on the moon was Neil Armstrong.",
+    # Place slots in plain text ("the city of ...", "ruled from ..."): a key for a place-valued relation must
+    # leave them to the model.
+    "Once upon a time, the city of Rome was small.", "She moved from the town of Bath to the city of York.",
+    "The kingdom was ruled from a castle on the hill.", "He was born in the city of Lyon, near the river.",
 )
+PLACE_SENTENCES = 4      # the last GENERIC_SENTENCES, each continued as a negative too
 GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?", "Write a haiku about rain.",
                      "Explain photosynthesis in one sentence.", "What should I cook tonight?")
 
@@ -452,7 +457,8 @@ class Inserter:
         # who has been ..." has answer-like slots of its own).
         # Statements about the entity itself most of all: its neighbours ("X is a valley ...") go on about it.
         continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[::2]]
-                     + list(GENERIC_SENTENCES[::5]) + list(GENERIC_QUESTIONS[:2]))
+                     + list(GENERIC_SENTENCES[::5]) + list(GENERIC_SENTENCES[-PLACE_SENTENCES:])
+                     + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.base_continuation(text) for text in continued]
         # Earlier facts: this feature must not fire on their questions.
         for op in (op for p in current.patches for op in p.operations):
@@ -550,22 +556,27 @@ class Inserter:
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)
-            # The user's own phrasings are left out: a question typed as "X was founded long ago by a man
-            # called" asks for the answer at "by" too, and that one position outscored the canonical prompt.
-            for i in range(1, required):
-                inner_negatives[i] = inner_negatives[i][:0]
+            # Without the user's own phrasings' inner positions: a question typed as "X was founded long ago by
+            # a man called" asks for the answer at "by" too, and that one position can outscore the canonical
+            # prompt at every layer.
+            lenient = [keep[:0] if 0 < i < required else keep for i, keep in enumerate(inner_negatives)]
             tried = 0
             # Every layer keyed so the user's paraphrases fire too; if no layer can tell them from the
-            # negatives, every layer again with only the canonical prompt bound to fire.
-            attempts = [(c, required) for c in candidates] + ([(c, 1) for c in candidates] if required > 1 else [])
-            for candidate, must_fire in attempts:
-                if tried >= MAX_LAYERS_PER_TOKEN or (tried and must_fire < required):
+            # negatives, every layer again without their inner positions among the negatives, then with only
+            # the canonical prompt bound to fire.
+            attempts = [(c, required, inner_negatives) for c in candidates]
+            if required > 1:
+                attempts += [(c, required, lenient) for c in candidates]
+                attempts += [(c, 1, inner_negatives) for c in candidates]
+            installed_from = None      # which of those passes installed this token's first layer
+            for attempt, (candidate, must_fire, inner) in enumerate(attempts):
+                if tried >= MAX_LAYERS_PER_TOKEN or (tried and attempt // len(candidates) != installed_from):
                     break
                 stop.check()
                 fraction = base_fraction + span * (0.2 + 0.7 * tried / MAX_LAYERS_PER_TOKEN)
                 report(f"{what}: solving the key at layer {candidate}", fraction)
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
-                neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner_negatives)]
+                neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
                                      + [n[candidate] for n in negative_inputs])
                 gate, bias, up, margin = fisher_key(pos, neg, must_fire)
                 if margin <= 0 and candidate != layer:
@@ -581,6 +592,7 @@ class Inserter:
                                                                        f"({i}/{n})", fraction), required)
                 rounds += spent
                 tried += 1
+                installed_from = attempt // len(candidates)
                 ops.extend(op_for(scale))
                 features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
                 overlay = self.overlay_with(current, ops, fact)
