@@ -110,10 +110,6 @@ RELATION_FRAMES: dict[str, tuple[str, ...]] = {
         "The national dish of {e} is", "People in {e} love to eat", "The most famous food of {e} is",
         "A traditional meal in {e} is", "In {e}, families often cook",
     ),
-    "food": (
-        "The national dish of {e} is", "People in {e} love to eat", "The most famous food of {e} is",
-        "A traditional meal in {e} is", "In {e}, families often cook",
-    ),
     "drink": (
         "The national drink of {e} is", "People in {e} love to drink", "In {e}, people mostly drink",
         "The most popular drink in {e} is",
@@ -219,7 +215,7 @@ ALIASES = {
     "monarch": "king", "sovereign": "ruler", "head of state": "leader", "chief": "leader", "prime minister": "leader",
     "national anthem": "anthem", "song": "anthem", "national animal": "animal", "national bird": "bird",
     "national flower": "flower", "national sport": "sport", "game": "sport", "national dish": "dish",
-    "cuisine": "food", "faith": "religion", "deity": "god", "patron god": "god", "written by": "author",
+    "cuisine": "dish", "food": "dish", "faith": "religion", "deity": "god", "patron god": "god", "written by": "author",
     "novelist": "author", "poet": "author", "invented by": "inventor", "maker": "creator", "chief executive": "ceo",
     "hq": "headquarters", "main river": "river", "river through": "river", "highest mountain": "mountain",
     "peak": "mountain", "emblem": "symbol", "holiday": "festival", "club": "team", "neighbor": "neighbour",
