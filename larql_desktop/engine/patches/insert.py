@@ -844,10 +844,6 @@ def lead_of_word_end(logits: np.ndarray, word_ends: np.ndarray) -> float:
     return float(logits[word_ends].max() - logits[~word_ends].max())
 
 
-def share_winning(captured, token: int) -> float:
-    return float(np.mean([int(np.argmax(c.logits)) == token for c in captured]))
-
-
 def softmax(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     z = z - z.max()
