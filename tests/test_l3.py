@@ -208,6 +208,7 @@ def test_another_process_shares_the_entries(open_store, tmp_path):
         "assert s.put(2, ('checksum', 100, 100, 'clean'), 42, e)\n"
         "assert s.get(2, ('checksum', 100, 100, 'clean'), 7) is not None\n")
     store.put(2, NS, 7, _entry(7))
+    assert store.flush(10)      # SQLite writes wait for a quiet moment (or a flush) before another process sees them
     subprocess.run([sys.executable, "-c", code, open_store.spec], check=True, timeout=60, cwd=tmp_path)
     # SQLite: this process learns of the other's inserts at its next look (within REFRESH_EVERY seconds).
     deadline = time.monotonic() + 10.0
@@ -354,6 +355,41 @@ def test_a_full_write_queue_drops_writes_instead_of_waiting(tmp_path):
     assert elapsed < 1.0 and sum(results) == 8 and store.dropped_writes == 12
     assert "queue full" in store.errors
     assert store.flush(30) and store.total_bytes() == 8 * len(encode_entry(_entry(0), "float32"))
+    store.close()
+
+
+def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
+    """The writer does not write while values keep arriving (decode puts one per layer every few ms; on two
+    cores a writer running then takes CPU from it); lookups see the queue meanwhile. It writes once values stop
+    for QUIET seconds, at once when flush() asks, and without waiting when the queue reaches its high water."""
+    path = tmp_path / "l3.sqlite3"
+    store = SqliteL3(path)
+    store.QUIET = 1.0
+
+    def rows() -> int:
+        with sqlite3.connect(path) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
+    for k in range(30):              # 1.5 s of a decode's pace
+        store.put(0, NS, k, _entry(k))
+        time.sleep(0.05)
+    assert rows() == 0 and store.status()["queued_writes"] == 30
+    assert np.array_equal(store.get(0, NS, 3).output, _entry(3).output)     # served from the queue
+    deadline = time.monotonic() + 10
+    while rows() < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rows() == 30
+
+    store.put(0, NS, 100, _entry(100))
+    t0 = time.perf_counter()
+    assert store.flush(10) and time.perf_counter() - t0 < store.QUIET and rows() == 31
+
+    store.QUEUE_LIMIT, store.HIGH_WATER_SHARE = 8, 0.5
+    for k in range(200, 204):        # the high water mark: 4 of 8
+        store.put(0, NS, k, _entry(k))
+    t0 = time.perf_counter()
+    while rows() < 35 and time.perf_counter() - t0 < 5:
+        time.sleep(0.01)
+    assert rows() == 35 and time.perf_counter() - t0 < store.QUIET
     store.close()
 
 
@@ -535,7 +571,9 @@ def test_fp16_l3_error_measured_on_a_real_generation(smollm2, tmp_path):
     tokens_off, logits_off = _uncached(smollm2, ids, n_dec)
     path = tmp_path / "l3.sqlite3"
     fp16 = L3Settings(dtype="float16")
-    run_sequence(smollm2, LarqlEngine(smollm2, l3=SqliteL3(path, fp16)).new_session().ffn, ids, n_dec)
+    writer = SqliteL3(path, fp16)
+    run_sequence(smollm2, LarqlEngine(smollm2, l3=writer).new_session().ffn, ids, n_dec)
+    writer.close()          # a restart: the first process is gone and its queue written
     engine = LarqlEngine(smollm2, walk=WalkSettings(verify_fraction=1.0), l3=SqliteL3(path, fp16))
     tokens, logits = run_sequence(smollm2, engine.new_session().ffn, ids, n_dec)
     snap = engine.snapshot()

@@ -17,7 +17,9 @@ logged once per kind of problem, and then rebuilt (a corrupt SQLite file is move
 a lookup that fails is a miss and a write that fails is dropped. SQLite writes never run on the caller's thread:
 `put` queues the value (bounded; a full queue drops the write) and a background thread writes the queue in
 batched transactions on its own connection, so a store that is locked by another process, or a slow disk, delays
-only that thread; lookups see queued values. A crash loses at most the queue: every batch is one transaction.
+only that thread; lookups see queued values. The writer waits for a quiet moment (no value put for a quarter of a
+second, i.e. between replies) unless the queue fills up, so on a machine with two cores it does not take CPU from
+decode. A crash loses at most the queue: every batch is one transaction.
 Nor does a lookup whose key is not in the file read it: the store keeps the file's addresses in memory
 (`KeyIndex`: loaded when the file is opened, kept current by this process's writer, refreshed from other
 processes' inserts at most every REFRESH_EVERY seconds), so a miss costs a set lookup, and a stale "absent"
@@ -321,9 +323,13 @@ class SqliteL3(L3Store):
     thread's. WAL readers never wait for a writer, so a lookup is never held up by the store's write lock."""
 
     backend = "sqlite"
-    QUEUE_LIMIT = 4096      # values waiting to be written; beyond it a write is dropped (never waited for)
+    QUEUE_LIMIT = 8192      # values waiting to be written; beyond it a write is dropped (never waited for)
     BATCH = 512             # values per write transaction
-    LINGER = 0.1            # seconds the writer waits after waking, so one transaction takes a few tokens' writes
+    # The writer waits for a quiet moment: QUIET seconds without a new value (decode puts one per layer every
+    # few milliseconds, so it writes between replies), unless the queue is HIGH_WATER_SHARE full, flush() asks
+    # or the store closes. On two cores a writer that runs during decode takes CPU and the GIL from it.
+    QUIET = 0.25
+    HIGH_WATER_SHARE = 0.75
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
@@ -345,6 +351,8 @@ class SqliteL3(L3Store):
         self._wconn: sqlite3.Connection | None = None
         self._wopened_id: tuple[int, int] | None = None
         self._closing = threading.Event()
+        self._last_activity = 0.0                         # time.monotonic() of the newest queued value or hit
+        self._flushes = 0                                 # flush() calls waiting: the writer writes at once
         self.dropped_writes = 0                           # puts refused because the queue was full
         self._bytes = 0
         self._puts = 0
@@ -490,6 +498,7 @@ class SqliteL3(L3Store):
             return None
         with self._queued:
             self._touched[address] = time.time_ns()
+            self._last_activity = time.monotonic()
             if len(self._touched) >= self.TOUCH_BATCH:
                 self._wake_writer()
         return row[0]
@@ -526,8 +535,12 @@ class SqliteL3(L3Store):
                 full = True
             else:
                 self._pending[address] = (blob, time.time_ns())   # its recency is when it was computed
+                self._last_activity = time.monotonic()
                 full = False
-                self._wake_writer()
+                # Only the first value of a burst and a high queue wake the writer: a wake-up per value
+                # would hand the GIL to it 30 times a token.
+                if len(self._pending) == 1 or len(self._pending) == self._high_water():
+                    self._wake_writer()
         if full:
             self._report("queue full", RuntimeError(f"{self.QUEUE_LIMIT} values wait to be written"),
                          "further writes are dropped until the writer catches up")
@@ -540,6 +553,9 @@ class SqliteL3(L3Store):
             self._writer.start()
         self._queued.notify_all()
 
+    def _high_water(self) -> int:
+        return max(1, int(self.QUEUE_LIMIT * self.HIGH_WATER_SHARE))
+
     def _writer_loop(self) -> None:
         while True:
             with self._queued:
@@ -547,8 +563,7 @@ class SqliteL3(L3Store):
                     self._queued.wait()
                 if not (self._pending or self._touched):
                     return                      # closing, and everything is written
-            if not self._closing.is_set():
-                self._closing.wait(self.LINGER)     # let the rest of this token's writes arrive
+                self._wait_for_quiet()
             delay = self._write_batch()
             if delay:
                 if self._closing.is_set():      # closing and the store refuses writes: give up the queue
@@ -558,6 +573,15 @@ class SqliteL3(L3Store):
                         self._queued.notify_all()
                     return
                 self._closing.wait(delay)
+
+    def _wait_for_quiet(self) -> None:
+        """With _queued held: until QUIET seconds have passed since the last put or hit, the queue reaches its high
+        water mark, flush() waits or the store closes."""
+        while not (self._closing.is_set() or self._flushes or len(self._pending) >= self._high_water()):
+            left = self.QUIET - (time.monotonic() - self._last_activity)
+            if left <= 0:
+                return
+            self._queued.wait(left)
 
     def _writer_connection(self) -> sqlite3.Connection | None:
         if self._wconn is not None and _file_id(self.path) != self._wopened_id:
@@ -643,13 +667,16 @@ class SqliteL3(L3Store):
         """Wait until every queued value is written; False if that did not happen within `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._queued:
-            while self._pending or self._touched:
-                if self._writer is None:
-                    self._wake_writer()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._queued.wait(left if left is not None else 1.0)
+            self._flushes += 1
+            try:
+                while self._pending or self._touched:
+                    self._wake_writer()         # starts it, or ends its wait for a quiet moment
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._queued.wait(left if left is not None else 1.0)
+            finally:
+                self._flushes -= 1
         with self._writer_lock:   # the batch in flight, if any, has been committed
             return True
 
