@@ -16,6 +16,10 @@ from larql_desktop.tools.insert_eval import (contains_word, default_engine_facto
                                              run_insert_eval, starts_with_word)
 
 
+def tok_text(model, ids) -> str:
+    return repr(model.tokenizer.decode(list(ids)))
+
+
 def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(smollm2):
     engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
     ins = engine.inserter()
@@ -27,6 +31,9 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     result = engine.insert(fact)
     after = ins.continuation(fact.canonical_prompt, engine.patches, len(tokens) + 2)[0]
     assert starts_with_word(after, fact.target), after
+    # ... and goes on with something else, not the word again ("Glimmer Glimmer").
+    out = ins.greedy(ins.encode(fact.canonical_prompt), engine.patches, len(tokens) + 1)
+    assert out[:len(tokens)] == tokens and out[len(tokens):] != tokens[:1], tok_text(smollm2, out)
     assert result.answers and result.target_tokens == tuple(tokens)
     ops = result.patch.operations
     # Every feature is recorded with the token it writes and its place in the target; features placed after
@@ -144,6 +151,10 @@ def test_word_ends_tells_a_new_word_from_more_of_the_same(smollm2):
         token = tok.encode("Glimmer" + piece, add_bos=False)[-1]
         assert tok.decode([token])[:1].isalpha() and not ends[token], piece
     assert all(ends[i] for i in tok.stop_ids)
+    # After the whole target, its first token would start it over: not an end there.
+    first = tok.encode(" Glimmer", add_bos=False)
+    after = ins.word_ends_after(first)
+    assert ends[first[0]] and not after[first[0]] and int((after != ends).sum()) == 1
 
 
 def test_resumed_and_extended_captures_match_whole_passes(smollm2):

@@ -18,7 +18,8 @@ first token. Here, per target token (each firing on the context that precedes it
     key only just recognises gets the whole write and a strongly recognised one no more;
   * several layers when one is not enough (a post-FFN norm bounds what one layer can write);
   * one more step after the last target token, for the word's end: where the model would go on with the word
-    ("Ottoline" -> "Ottolineus"), a feature writes a comma, full stop or line break there;
+    ("Ottoline" -> "Ottolineus") or start it over ("Eldwin Eldwin", the first token's key firing again just
+    after the word), a feature writes a comma, full stop or line break there;
   * the phrasings include, for relations people insert often, frames that ask without naming the relation
     ("In X, people pay with the"; relation_frames.py), and a key may leave its oddest tenth of phrasings
     below its threshold rather than give up the layer;
@@ -537,8 +538,11 @@ class Inserter:
                 token, wins = targets[j], (lambda t, token=targets[j]: t == token)
                 wins_clearly = lambda logits, token=targets[j]: lead(logits, token) >= WIN_MARGIN
             else:
-                wins = self.ends_word
-                wins_clearly = lambda logits: lead_of_word_end(logits, self.word_ends()) >= WIN_MARGIN
+                # The word ends, and not by starting over: the first token's key also fires just after the
+                # word, which reads like an answer position again ("Eldwin Eldwin, a").
+                ends = self.word_ends_after(targets)
+                wins = lambda t, ends=ends: bool(ends[t])
+                wins_clearly = lambda logits, ends=ends: lead_of_word_end(logits, ends) >= WIN_MARGIN
             if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, overlay,
                                         required) >= WIN_SHARE:
                 continue          # the model completes (or ends) the word itself once it has begun it
@@ -671,9 +675,11 @@ class Inserter:
         return float(np.mean(won)) if won else 0.0
 
     def answers_with(self, ids: Sequence[int], overlay: PatchOverlay, targets: Sequence[int]) -> bool:
-        """The greedy continuation of `ids` is the target's tokens and then a token that ends the word."""
+        """The greedy continuation of `ids` is the target's tokens and then a token that ends the word (and does
+        not start the target again)."""
         out = self.greedy(ids, overlay, len(targets) + 1)
-        return out[:len(targets)] == list(targets) and (len(out) == len(targets) or self.ends_word(out[-1]))
+        return out[:len(targets)] == list(targets) and (len(out) == len(targets)
+                                                       or bool(self.word_ends_after(targets)[out[-1]]))
 
     def word_ends(self) -> np.ndarray:
         """Per vocabulary token: does it end the word before it (a space, punctuation, a control token), rather
@@ -701,6 +707,12 @@ class Inserter:
 
     def ends_word(self, token: int) -> bool:
         return bool(self.word_ends()[token])
+
+    def word_ends_after(self, targets: Sequence[int]) -> np.ndarray:
+        """word_ends() without the target's first token: what may follow the whole target word."""
+        ends = self.word_ends().copy()
+        ends[targets[0]] = False
+        return ends
 
     def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
                 overlay, op_for, alpha, stop: Cancel, tick, always: int = 1) -> tuple[float, float, int]:
