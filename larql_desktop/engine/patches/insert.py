@@ -113,6 +113,12 @@ SCALES = tuple(float(4.0 ** k) for k in range(1, 6))    # 4 .. 1024, in units of
 HEADROOM = 1.25
 RESCUE_SCALES = (0.7, 0.5, 1.4, 0.35, 2.0)   # tried on every write when the canonical prompt fails (rescue_canonical)
 BALANCE_CONTEXTS = 16
+# Value directions are turned until the head, given the direction alone, names the target first by this lead
+# (logits), pushing away from up to SATURATION_RIVALS tokens per step (Inserter.saturating).
+SATURATION_LEAD = 2.0
+SATURATION_RIVALS = 8
+SATURATION_STEPS = 12
+SATURATION_STEP = 0.5
 RIDGE = 0.05            # Fisher discriminant regulariser, as a share of the mean variance
 ANSWER_LEAD_IN = 2      # positions just before a positive's answer that are not negatives (inner_negative_positions)
 POSITIVE_SLACK = 0.1    # share of the positives the gate may leave below its threshold (fisher_key)
@@ -389,12 +395,41 @@ class Inserter:
             p = softmax(z[top].astype(np.float64))
             rows = self.output_rows(np.concatenate([[token], top]))
             pulls.append(rows[0] - p @ rows[1:])
-        v = np.mean(pulls, axis=0) * self.model.transformer.output_norm
+        gain = self.model.transformer.output_norm
         post = self.post_ffn_norm(layer)
+        # What the post-FFN norm lets through (its near-zero channels are left out), in the residual's space.
+        passes = np.ones_like(gain, dtype=bool) if post is None else np.abs(post) > 0.1 * np.median(np.abs(post))
+        v = self.saturating(token, np.where(passes, np.mean(pulls, axis=0) * gain, 0.0), passes)
         if post is not None:
-            scale = np.abs(post)
-            v = np.where(scale > 0.1 * np.median(scale), v / np.where(post == 0, 1, post), 0.0)
+            v = np.where(passes, v / np.where(post == 0, 1, post), 0.0)
         return unit(v).astype(np.float32)
+
+    def saturating(self, token: int, v: np.ndarray, passes: np.ndarray) -> np.ndarray:
+        """`v` (a direction in the residual stream) turned, a few steps at a time, until the head alone, given
+        that direction, names `token` first by SATURATION_LEAD: the value a scale search can raise until it wins.
+        The pull against the contexts' own candidates can point closer to a few tokens with large output rows
+        (" strugg", " dissemin") than to a rare target (" Bened"); then no write of any size makes the target
+        win, and a large one writes those tokens instead. Each step pushes away from the tokens that beat it."""
+        gain = self.model.transformer.output_norm
+        for _ in range(SATURATION_STEPS):
+            z = self.head_logits(v)
+            rivals = np.argsort(-z)[:SATURATION_RIVALS + 1]
+            rivals = rivals[(rivals != token) & (z[rivals] > z[token] - SATURATION_LEAD)]
+            if not rivals.size:
+                break
+            rows = self.output_rows(np.concatenate([[token], rivals]))
+            push = np.where(passes, (rows[0] - rows[1:].mean(axis=0)) * gain, 0.0)
+            v = unit(v) + SATURATION_STEP * unit(push)
+        return v
+
+    def head_logits(self, direction: np.ndarray) -> np.ndarray:
+        """The output head's logits for a final residual along `direction` alone (its norm makes the size moot)."""
+        d = self.model.config.hidden
+        h = (unit(direction) * np.sqrt(d)).astype(np.float32)[None, :]
+        graphs = self.model.transformer.graphs
+        if graphs is not None:
+            return graphs.run_head(h, np.zeros_like(h))[0]
+        return self.model.transformer.logits(h)[0]
 
     def free_slots(self, layer: int, claimed: set[int], residuals: np.ndarray, n: int) -> list[int]:
         """The n unclaimed features least engaged by ordinary inputs (smallest mean |gate score| over the
