@@ -140,6 +140,26 @@ def test_insert_eval_on_one_fact(smollm2, tmp_path):
     json.dumps(doc)   # serialisable as --json writes it
 
 
+def test_value_direction_makes_a_rare_target_the_heads_first_choice(smollm2, monkeypatch):
+    """The pull against the canonical prompt's own candidates alone points closer to tokens with large output
+    rows than to " Bened" (Benedetta): through the head it ranks ~1500th, so no write of any size would make it
+    win. The turned direction puts it first."""
+    import larql_desktop.engine.patches.insert as insert_module
+    from larql_desktop.engine.patches.overlay import PatchOverlay
+
+    ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    fact = Fact("Hollowmere", "mayor-of", "Benedetta")
+    token = ins.target_tokens(fact.target)[0]
+    logits = [ins.capture(ins.encode(fact.canonical_prompt), PatchOverlay()).logits]
+    layer = 24
+    turned = ins.head_logits(ins.value_direction(token, logits, layer))
+    assert int(np.argmax(turned)) == token
+    assert turned[token] - np.delete(turned, token).max() >= insert_module.SATURATION_LEAD
+    monkeypatch.setattr(insert_module, "SATURATION_STEPS", 0)
+    pulled = ins.head_logits(ins.value_direction(token, logits, layer))
+    assert int((pulled > pulled[token]).sum()) > 100
+
+
 def test_word_ends_tells_a_new_word_from_more_of_the_same(smollm2):
     ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
     tok = smollm2.tokenizer
