@@ -109,8 +109,11 @@ def test_word_checks():
 def test_facts_files_are_checked(tmp_path):
     facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
     assert len(facts) == 6 and controls
-    own, _ = read_facts(DATA_DIR / "insert_own_facts.json")
-    assert {f.entity for f in own}.isdisjoint(f.entity for f in facts)
+    entities = {f.entity for f in facts}
+    for name in ("insert_own_facts.json", "insert_held_out_facts.json", "insert_blind_facts.json"):
+        more, _ = read_facts(DATA_DIR / name)
+        assert len(more) >= 5 and entities.isdisjoint(f.entity for f in more), name
+        entities |= {f.entity for f in more}
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"facts": [{"entity": "A", "relation": "r", "target": "", "probe": "p"}]}))
     with pytest.raises(ValueError, match="'target' must be a non-empty string"):
