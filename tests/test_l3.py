@@ -20,8 +20,8 @@ import pytest
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
-from larql_desktop.engine.cache.l3 import (FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry, default_l3_path,
-                                     encode_entry, open_l3)
+from larql_desktop.engine.cache.l3 import (DTYPES, FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry,
+                                           default_l3_path, encode_entry, open_l3)
 from test_ffn_cache import run_sequence
 
 NS = ("checksum", 100, 100, "clean")
@@ -391,6 +391,28 @@ def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
         time.sleep(0.01)
     assert rows() == 35 and time.perf_counter() - t0 < store.QUIET
     store.close()
+
+
+def test_a_queued_value_is_served_as_it_will_be_stored(tmp_path):
+    """SQLite queues a value unencoded (the writer encodes it) and serves it from the queue meanwhile: what a
+    lookup gets before the write is what it gets after (fp16 rounding included), and a caller that reuses its
+    arrays after the put changes neither."""
+    for dtype in DTYPES:
+        store = SqliteL3(tmp_path / f"{dtype}.sqlite3", L3Settings(dtype=dtype))
+        store.QUIET = 60.0
+        entry = _entry(5, d=576)
+        expected = entry.output.copy()
+        assert store.put(0, NS, 1, entry)
+        queued = store.get(0, NS, 1)
+        entry.output[:] = 0.0
+        entry.residual[:] = 0.0
+        assert store.status()["queued_writes"] == 1 and not queued.output.flags.writeable
+        assert store.flush(10) and store.status()["queued_writes"] == 0
+        written = store.get(0, NS, 1)
+        assert np.array_equal(queued.output, written.output) and np.array_equal(queued.residual, written.residual)
+        assert np.allclose(written.output, expected, rtol=2.0 ** -10) and not np.array_equal(written.output, 0)
+        assert np.array_equal(written.output, expected) == (dtype == "float32"), dtype
+        store.close()
 
 
 def test_a_second_writer_holding_the_lock_does_not_slow_decode(smollm2, tmp_path):

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from larql_desktop.engine.cache.tiers import CacheEntry
+from larql_desktop.engine.cache.tiers import CacheEntry, _frozen
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,19 @@ def encode_entry(entry: CacheEntry, dtype: str, address: bytes = b"") -> bytes:
     header = _HEADER.pack(_MAGIC, L3_FORMAT, code, out.size)
     vectors = np.ascontiguousarray(out, kind).tobytes() + np.ascontiguousarray(res, kind).tobytes()
     return header + _CHECKSUM.pack(_checksum(address, header, vectors)) + vectors
+
+
+def stored_form(entry: CacheEntry, dtype: str) -> CacheEntry:
+    """The entry as the store will give it back: read-only float32 arrays, rounded through fp16 when `dtype`
+    says so and every value fits (encode_entry's rule), without the near-miss bits. SQLite queues this form
+    (the writer encodes it, off the caller's thread) and serves it from the queue meanwhile, so a value read
+    before and after its write is the same, and a caller that changes its arrays later changes nothing here."""
+    out, res = entry.output, entry.residual
+    if dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX:
+        out, res = out.astype(np.float16), res.astype(np.float16)
+    if out.flags.writeable or res.flags.writeable or out.dtype != np.float32 or res.dtype != np.float32:
+        out, res = _frozen(out), _frozen(res)
+    return CacheEntry(out, res)
 
 
 def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
@@ -198,9 +211,13 @@ class L3Store:
         if not self._available():
             return None
         ns, key = namespace_id(namespace), _signed(key)
+        if not self._may_hold(layer, ns, key):
+            return None
         blob = self._get(layer, ns, key)
         if blob is None:
             return None
+        if isinstance(blob, CacheEntry):      # still in the write queue, as it was put
+            return blob
         entry = decode_entry(blob, value_address(ns, layer, key))
         if entry is None:
             self._report("bad value", ValueError("a stored value does not verify (checksum, format or NaN)"),
@@ -214,7 +231,10 @@ class L3Store:
         if not (np.isfinite(entry.output).all() and np.isfinite(entry.residual).all()):
             return False          # a hit may serve only what a computation could have returned
         ns, key = namespace_id(namespace), _signed(key)
-        return self._put(layer, ns, key, encode_entry(entry, self.settings.dtype, value_address(ns, layer, key)))
+        return self._put(layer, ns, key, stored_form(entry, self.settings.dtype))
+
+    def _encode(self, layer: int, ns: int, key: int, entry: CacheEntry) -> bytes:
+        return encode_entry(entry, self.settings.dtype, value_address(ns, layer, key))
 
     def occupancy(self, n_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(keys, entries, bytes, evictions, dropped) per layer over the whole store (every model in it)."""
@@ -227,8 +247,12 @@ class L3Store:
 
     def clear(self) -> None: ...
     def close(self) -> None: ...
-    def _get(self, layer: int, ns: int, key: int) -> bytes | None: ...
-    def _put(self, layer: int, ns: int, key: int, blob: bytes) -> bool: ...
+    def _get(self, layer: int, ns: int, key: int) -> bytes | CacheEntry | None: ...
+
+    def _may_hold(self, layer: int, ns: int, key: int) -> bool:
+        """False only when the value is certainly not there (a lookup then costs no lock and no I/O)."""
+        return True
+    def _put(self, layer: int, ns: int, key: int, entry: CacheEntry) -> bool: ...
 
     def _delete_if(self, layer: int, ns: int, key: int, blob: bytes) -> None:
         """Delete the value at the address if it is still `blob` (another writer may have replaced it)."""
@@ -344,7 +368,8 @@ class SqliteL3(L3Store):
         self._conn: sqlite3.Connection | None = None
         self._touched: dict[tuple[int, int, int], int] = {}   # hits' recency, written by the writer
         # Values waiting for the writer, in arrival order; lookups see them. Guarded by _queued's lock.
-        self._pending: dict[tuple[int, int, int], tuple[bytes, int]] = {}   # -> (value, time.time_ns() put)
+        # Entries are encoded (checksummed) by the writer, not on the caller's thread.
+        self._pending: dict[tuple[int, int, int], tuple[CacheEntry, int]] = {}   # -> (entry, time.time_ns() put)
         self._queued = threading.Condition(threading.Lock())
         self._writer_lock = threading.Lock()              # the writer's connection and the batch in flight
         self._writer: threading.Thread | None = None
@@ -470,6 +495,13 @@ class SqliteL3(L3Store):
             self._open()
         return self._conn
 
+    def _may_hold(self, layer, ns, key):
+        # Without a lock: the writer adds an address to the index before it leaves the queue, so reading the
+        # queue first and the index second never misses a value on its way between them. When the index is
+        # due for a look at other processes' inserts, _get takes the long way.
+        address = (ns, layer, key)
+        return address in self._pending or address in self._index or self._index.due(self.REFRESH_EVERY)
+
     def _get(self, layer, ns, key):
         address = (ns, layer, key)
         with self._queued:
@@ -506,8 +538,6 @@ class SqliteL3(L3Store):
     def _delete_if(self, layer, ns, key, blob):
         with self._queued:
             self._touched.pop((ns, layer, key), None)
-            if self._pending.get((ns, layer, key), (None,))[0] == blob:
-                del self._pending[(ns, layer, key)]
         with self._lock:
             conn = self._conn_or_none()
             if conn is None:
@@ -525,7 +555,7 @@ class SqliteL3(L3Store):
                     self._count(layer, -1, -len(blob))
 
     # -- the write-behind queue --------------------------------------------------------------------------
-    def _put(self, layer, ns, key, blob):
+    def _put(self, layer, ns, key, entry):
         address = (ns, layer, key)
         with self._queued:
             if self._closing.is_set():
@@ -534,7 +564,7 @@ class SqliteL3(L3Store):
                 self.dropped_writes += 1
                 full = True
             else:
-                self._pending[address] = (blob, time.time_ns())   # its recency is when it was computed
+                self._pending[address] = (entry, time.time_ns())   # its recency is when it was computed
                 self._last_activity = time.monotonic()
                 full = False
                 # Only the first value of a burst and a high queue wake the writer: a wake-up per value
@@ -613,7 +643,8 @@ class SqliteL3(L3Store):
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    for (ns, layer, key), (blob, put_at) in items:
+                    for (ns, layer, key), (entry, put_at) in items:
+                        blob = self._encode(layer, ns, key, entry)
                         old = conn.execute("SELECT nbytes FROM entries WHERE ns=? AND layer=? AND key=?",
                                            (ns, layer, key)).fetchone()
                         conn.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)",
@@ -735,11 +766,11 @@ class SqliteL3(L3Store):
                     if 0 <= layer < n_layers:
                         keys[layer] = entries[layer] = count
                         nbytes[layer] = total
-                for (_, layer, _), (blob, _) in self._pending.items():
+                for (_, layer, _), (entry, _) in self._pending.items():
                     if 0 <= layer < n_layers:
                         keys[layer] += 1
                         entries[layer] += 1
-                        nbytes[layer] += len(blob)
+                        nbytes[layer] += _PREFIX + entry.output.nbytes + entry.residual.nbytes   # as fp32
         return keys, entries, nbytes, evictions, dropped
 
     def status(self) -> dict:
@@ -938,7 +969,8 @@ class RedisL3(L3Store):
         except self._redis.exceptions.RedisError as exc:
             self._failed(exc)
 
-    def _put(self, layer, ns, key, blob):
+    def _put(self, layer, ns, key, entry):
+        blob = self._encode(layer, ns, key, entry)
         try:
             self._put_script(keys=[self._key(layer, ns, key), self._lru, self._clock, self._stats],
                              args=[blob, layer, self.settings.max_bytes])
