@@ -498,9 +498,11 @@ class SqliteL3(L3Store):
     def _may_hold(self, layer, ns, key):
         # Without a lock: the writer adds an address to the index before it leaves the queue, so reading the
         # queue first and the index second never misses a value on its way between them. When the index is
-        # due for a look at other processes' inserts, _get takes the long way.
+        # due for a look at other processes' inserts, or the file is no longer the one opened (another process
+        # rebuilt it: _get reopens and reloads the index), _get takes the long way.
         address = (ns, layer, key)
-        return address in self._pending or address in self._index or self._index.due(self.REFRESH_EVERY)
+        return (address in self._pending or address in self._index or self._index.due(self.REFRESH_EVERY)
+                or _file_id(self.path) != self._opened_id)
 
     def _get(self, layer, ns, key):
         address = (ns, layer, key)
