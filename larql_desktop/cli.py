@@ -307,6 +307,20 @@ def cmd_self_test(args) -> int:
     return 0
 
 
+def _stop_on_interrupt_and_terminate() -> None:
+    """SIGINT and SIGTERM end `serve` the same way, through its cleanup (the L3 queue is written). A process
+    started in the background by a shell without job control inherits SIGINT ignored, and Python keeps it so:
+    there `kill -INT` would do nothing, and a plain SIGTERM would drop the queue."""
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop)
+
+
 def cmd_serve(args) -> int:
     """The local HTTP API over a headless engine (with the default persistent L3 unless --l3 says otherwise)."""
     import os
@@ -329,6 +343,7 @@ def cmd_serve(args) -> int:
     # The first request per layer would otherwise build its sessions.
     model.ffn.load_sessions(kinds=("gate", "walk"))
     handle = start_server(engine, args.host, args.port, token)
+    _stop_on_interrupt_and_terminate()
     print(f"serving {model.name} on {handle.url} (L3: {store.status()['where'] if store else 'off'}); "
           "Ctrl-C stops", flush=True)
     try:

@@ -307,13 +307,21 @@ def test_serve_command_runs_and_stops(app_paths, tmp_path):
            "--l3", f"sqlite:{tmp_path / 'l3.sqlite3'}"]
     r = subprocess.run([*cmd[:3], "serve", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and "token" in r.stderr
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
-        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
-        assert httpx.get(f"{match.group(1)}/v1/model").json()["hidden"] == 576
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+    # Started as a shell without job control starts a background job, with SIGINT ignored: SIGINT still
+    # stops it, and so does SIGTERM, each through its cleanup (exit status 0).
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            line = proc.stdout.readline()
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+            assert httpx.get(f"{match.group(1)}/v1/model").json()["hidden"] == 576
+        finally:
+            proc.send_signal(stop)
+            try:
+                assert proc.wait(30) == 0, stop
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
     assert (tmp_path / "l3.sqlite3").exists()
