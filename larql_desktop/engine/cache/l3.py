@@ -359,6 +359,7 @@ class SqliteL3(L3Store):
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
     OCCUPANCY_EVERY = 2.0   # seconds between recounting per-layer occupancy (kept up to date in between)
     REFRESH_EVERY = 0.5     # seconds between looks for other processes' inserts (KeyIndex.refresh)
+    FILE_CHECK_EVERY = 0.05  # seconds between looks, by a lookup that cannot hit, for a file rebuilt elsewhere
 
     def __init__(self, path: str | Path, settings: L3Settings = L3Settings(), timeout: float = 0.1):
         super().__init__(settings)
@@ -376,6 +377,7 @@ class SqliteL3(L3Store):
         self._wconn: sqlite3.Connection | None = None
         self._wopened_id: tuple[int, int] | None = None
         self._closing = threading.Event()
+        self._file_checked = 0.0                          # time.monotonic() of _may_hold's last stat
         self._last_activity = 0.0                         # time.monotonic() of the newest queued value or hit
         self._flushes = 0                                 # flush() calls waiting: the writer writes at once
         self.dropped_writes = 0                           # puts refused because the queue was full
@@ -499,10 +501,16 @@ class SqliteL3(L3Store):
         # Without a lock: the writer adds an address to the index before it leaves the queue, so reading the
         # queue first and the index second never misses a value on its way between them. When the index is
         # due for a look at other processes' inserts, or the file is no longer the one opened (another process
-        # rebuilt it: _get reopens and reloads the index), _get takes the long way.
+        # rebuilt it: _get reopens and reloads the index; looked at every FILE_CHECK_EVERY), _get takes the long
+        # way.
         address = (ns, layer, key)
-        return (address in self._pending or address in self._index or self._index.due(self.REFRESH_EVERY)
-                or _file_id(self.path) != self._opened_id)
+        if address in self._pending or address in self._index or self._index.due(self.REFRESH_EVERY):
+            return True
+        now = time.monotonic()     # a stat costs ~20 us here, a lookup per layer: look at most every so often
+        if now - self._file_checked < self.FILE_CHECK_EVERY:
+            return False
+        self._file_checked = now
+        return _file_id(self.path) != self._opened_id
 
     def _get(self, layer, ns, key):
         address = (ns, layer, key)
