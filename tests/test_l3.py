@@ -407,7 +407,9 @@ def test_a_queued_value_is_served_as_it_will_be_stored(tmp_path):
         entry.output[:] = 0.0
         entry.residual[:] = 0.0
         assert store.status()["queued_writes"] == 1 and not queued.output.flags.writeable
+        queued_bytes = int(store.occupancy(1)[2][0])          # the queue's share: the file is still empty
         assert store.flush(10) and store.status()["queued_writes"] == 0
+        assert store.total_bytes() == queued_bytes == len(encode_entry(_entry(5, d=576), dtype)), dtype
         written = store.get(0, NS, 1)
         assert np.array_equal(queued.output, written.output) and np.array_equal(queued.residual, written.residual)
         assert np.allclose(written.output, expected, rtol=2.0 ** -10) and not np.array_equal(written.output, 0)

@@ -102,26 +102,32 @@ def encode_entry(entry: CacheEntry, dtype: str, address: bytes = b"") -> bytes:
     """Header, checksum, output, residual. fp16 is used only where every value fits (else that entry stays
     fp32). `address`: value_address() of where it is written (decode_entry must be given the same)."""
     out, res = entry.output, entry.residual
-    code = 0
-    if dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX:
-        code = 1
+    code = _dtype_code(entry, dtype)
     kind = "<f2" if code else "<f4"
     header = _HEADER.pack(_MAGIC, L3_FORMAT, code, out.size)
     vectors = np.ascontiguousarray(out, kind).tobytes() + np.ascontiguousarray(res, kind).tobytes()
     return header + _CHECKSUM.pack(_checksum(address, header, vectors)) + vectors
 
 
-def stored_form(entry: CacheEntry, dtype: str) -> CacheEntry:
-    """The entry as the store will give it back: read-only float32 arrays, rounded through fp16 when `dtype`
-    says so and every value fits (encode_entry's rule), without the near-miss bits. SQLite queues this form
-    (the writer encodes it, off the caller's thread) and serves it from the queue meanwhile, so a value read
+def _dtype_code(entry: CacheEntry, dtype: str) -> int:
+    """1: the entry is stored as fp16 (that dtype is chosen and every value fits), 0: as fp32."""
+    out, res = entry.output, entry.residual
+    fits = dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX
+    return int(fits)
+
+
+def stored_form(entry: CacheEntry, dtype: str) -> tuple[CacheEntry, int]:
+    """The entry as the store will give it back, and the bytes encode_entry will make of it: read-only float32
+    arrays, rounded through fp16 where encode_entry stores fp16, without the near-miss bits. SQLite queues this
+    form (the writer encodes it, off the caller's thread) and serves it from the queue meanwhile, so a value read
     before and after its write is the same, and a caller that changes its arrays later changes nothing here."""
     out, res = entry.output, entry.residual
-    if dtype == "float16" and max(float(np.abs(out).max(initial=0)), float(np.abs(res).max(initial=0))) < FP16_MAX:
+    code = _dtype_code(entry, dtype)
+    if code:
         out, res = out.astype(np.float16), res.astype(np.float16)
     if out.flags.writeable or res.flags.writeable or out.dtype != np.float32 or res.dtype != np.float32:
         out, res = _frozen(out), _frozen(res)
-    return CacheEntry(out, res)
+    return CacheEntry(out, res), _PREFIX + (out.size + res.size) * (2 if code else 4)
 
 
 def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
@@ -231,7 +237,7 @@ class L3Store:
         if not (np.isfinite(entry.output).all() and np.isfinite(entry.residual).all()):
             return False          # a hit may serve only what a computation could have returned
         ns, key = namespace_id(namespace), _signed(key)
-        return self._put(layer, ns, key, stored_form(entry, self.settings.dtype))
+        return self._put(layer, ns, key, *stored_form(entry, self.settings.dtype))
 
     def _encode(self, layer: int, ns: int, key: int, entry: CacheEntry) -> bytes:
         return encode_entry(entry, self.settings.dtype, value_address(ns, layer, key))
@@ -248,11 +254,11 @@ class L3Store:
     def clear(self) -> None: ...
     def close(self) -> None: ...
     def _get(self, layer: int, ns: int, key: int) -> bytes | CacheEntry | None: ...
+    def _put(self, layer: int, ns: int, key: int, entry: CacheEntry, nbytes: int) -> bool: ...
 
     def _may_hold(self, layer: int, ns: int, key: int) -> bool:
         """False only when the value is certainly not there (a lookup then costs no lock and no I/O)."""
         return True
-    def _put(self, layer: int, ns: int, key: int, entry: CacheEntry) -> bool: ...
 
     def _delete_if(self, layer: int, ns: int, key: int, blob: bytes) -> None:
         """Delete the value at the address if it is still `blob` (another writer may have replaced it)."""
@@ -370,7 +376,8 @@ class SqliteL3(L3Store):
         self._touched: dict[tuple[int, int, int], int] = {}   # hits' recency, written by the writer
         # Values waiting for the writer, in arrival order; lookups see them. Guarded by _queued's lock.
         # Entries are encoded (checksummed) by the writer, not on the caller's thread.
-        self._pending: dict[tuple[int, int, int], tuple[CacheEntry, int]] = {}   # -> (entry, time.time_ns() put)
+        # -> (entry, time.time_ns() put, its encoded size)
+        self._pending: dict[tuple[int, int, int], tuple[CacheEntry, int, int]] = {}
         self._queued = threading.Condition(threading.Lock())
         self._writer_lock = threading.Lock()              # the writer's connection and the batch in flight
         self._writer: threading.Thread | None = None
@@ -565,7 +572,7 @@ class SqliteL3(L3Store):
                     self._count(layer, -1, -len(blob))
 
     # -- the write-behind queue --------------------------------------------------------------------------
-    def _put(self, layer, ns, key, entry):
+    def _put(self, layer, ns, key, entry, nbytes):
         address = (ns, layer, key)
         with self._queued:
             if self._closing.is_set():
@@ -574,7 +581,7 @@ class SqliteL3(L3Store):
                 self.dropped_writes += 1
                 full = True
             else:
-                self._pending[address] = (entry, time.time_ns())   # its recency is when it was computed
+                self._pending[address] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
                 self._last_activity = time.monotonic()
                 full = False
                 # Only the first value of a burst and a high queue wake the writer: a wake-up per value
@@ -653,7 +660,7 @@ class SqliteL3(L3Store):
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    for (ns, layer, key), (entry, put_at) in items:
+                    for (ns, layer, key), (entry, put_at, _) in items:
                         blob = self._encode(layer, ns, key, entry)
                         old = conn.execute("SELECT nbytes FROM entries WHERE ns=? AND layer=? AND key=?",
                                            (ns, layer, key)).fetchone()
@@ -776,11 +783,11 @@ class SqliteL3(L3Store):
                     if 0 <= layer < n_layers:
                         keys[layer] = entries[layer] = count
                         nbytes[layer] = total
-                for (_, layer, _), (entry, _) in self._pending.items():
+                for (_, layer, _), (_, _, size) in self._pending.items():
                     if 0 <= layer < n_layers:
                         keys[layer] += 1
                         entries[layer] += 1
-                        nbytes[layer] += _PREFIX + entry.output.nbytes + entry.residual.nbytes   # as fp32
+                        nbytes[layer] += size
         return keys, entries, nbytes, evictions, dropped
 
     def status(self) -> dict:
@@ -979,7 +986,7 @@ class RedisL3(L3Store):
         except self._redis.exceptions.RedisError as exc:
             self._failed(exc)
 
-    def _put(self, layer, ns, key, entry):
+    def _put(self, layer, ns, key, entry, nbytes):
         blob = self._encode(layer, ns, key, entry)
         try:
             self._put_script(keys=[self._key(layer, ns, key), self._lru, self._clock, self._stats],
