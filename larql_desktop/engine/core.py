@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from larql_desktop.engine.cache.l3 import L3Settings, L3Store
 from larql_desktop.engine.cache.stats import CacheStats, StatsSnapshot
 from larql_desktop.engine.cache.tiers import CacheTier, PersistentTierView, TierSettings
+from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.chat import ChatSession
@@ -92,6 +93,7 @@ class LarqlEngine:
         self.walk_settings = walk
         self.l1_settings = l1
         self.l2 = CacheTier("L2", n, l2)
+        self.trace = KeyTrace()                       # which key followed which: whole steps of hits in one call
         self.stats = CacheStats(n)                    # process-wide: every session records here too
         self.patches = patches if patches is not None else PatchOverlay()
         self.l3 = l3
@@ -137,7 +139,7 @@ class LarqlEngine:
     # -- walks and sessions --------------------------------------------------------------------------------
     def _walk_for(self, l1: CacheTier, stats: CacheStats) -> WalkFfn:
         return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, self.walk_settings,
-                       l1, self.l2, (stats, self.stats), self.patches, l3=self.l3)
+                       l1, self.l2, (stats, self.stats), self.patches, l3=self.l3, trace=self.trace)
 
     def request_walk(self, top_k: int | None = None) -> WalkFfn:
         """A walk FFN for one API request: no L1, the shared L2 (and L3), this engine's patches and stats,
@@ -148,7 +150,7 @@ class LarqlEngine:
             width = walk.key_width if walk.key_width is not None and walk.key_width <= top_k else None
             walk = replace(walk, top_k=top_k, key_width=width)
         return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, walk,
-                       None, self.l2, (self.stats,), self.patches, l3=self.l3)
+                       None, self.l2, (self.stats,), self.patches, l3=self.l3, trace=self.trace)
 
     def new_session(self) -> ChatSession:
         n = self.model.config.n_layers
@@ -290,6 +292,7 @@ class LarqlEngine:
         """Empty L2 and every L1; with `persistent`, the L3 store too."""
         with self._lock:
             self.l2.clear()
+            self.trace.clear()
             for s in self.sessions:
                 s.l1.clear()
             if persistent and self.l3 is not None:

@@ -9,7 +9,9 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   sparse  the walk FFN at the default K with every cache tier off
   cold    the walk FFN with its caches on, each run on a fresh engine (every decode lookup misses and stores)
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
-          measured run is a new session on the same engine, so its decode lookups are served by L2
+          measured run is a new session on the same engine, so its decode lookups are served by L2; the key
+          trace names each step's entries in advance, so each step runs in one call of the served decoder
+          graph (the JSON's cache.steps_served counts them)
   app     the real window offscreen (larql_desktop/qt/bench_app.py, its own module: tools/ never imports Qt): the app's default walk with L1, L2 and a
           persistent SQLite L3 in a temporary directory, cold caches every run, the cache monitor redrawing;
           timed where each token reaches the GUI thread (a chat honours stop tokens, so a run may be shorter)
@@ -145,8 +147,11 @@ def engine_for(model, mode: str, l3=None):
 
 def _cache_figures(engine, session) -> dict:
     snap = engine.session_snapshot(session)
+    walk = session.ffn
     return {"lookups": int(snap.lookups), "hits": int(snap.hits),
-            "hit_rate": snap.hits / snap.lookups if snap.lookups else None}
+            "hit_rate": snap.hits / snap.lookups if snap.lookups else None,
+            # decode steps run whole in the served decoder graph, and those where a guessed entry failed
+            "steps_served": getattr(walk, "steps_served", 0), "steps_resumed": getattr(walk, "steps_resumed", 0)}
 
 
 def run_larql_worker(spec: dict) -> dict:
@@ -193,7 +198,8 @@ def run_larql_worker(spec: dict) -> dict:
     result["tokens"] = timings[0].tokens
     result["identical_runs"] = all(t.tokens == timings[0].tokens for t in timings)
     if mode not in ("dense", "layered"):
-        result["cache"] = {"lookups": sum(c["lookups"] for c in caches), "hits": sum(c["hits"] for c in caches)}
+        result["cache"] = {key: sum(c[key] for c in caches)
+                           for key in ("lookups", "hits", "steps_served", "steps_resumed")}
         lookups = result["cache"]["lookups"]
         result["cache"]["hit_rate"] = result["cache"]["hits"] / lookups if lookups else None
     result["rss_after_load_mb"] = rss_after_load / 2**20 if rss_after_load else None

@@ -127,16 +127,7 @@ class CacheStats:
         """tier_results: (tier, hit) in lookup order. seconds None: the call was not timed on its own (a layer of
         the whole-model decoder graph): it is counted, but left out of the latency figures."""
         with self._lock:
-            self._calls += 1
-            if tier_results:
-                self._lookups += 1
-            for tier, hit in tier_results:
-                (self._hits if hit else self._misses)[tier][layer] += 1
-            if bypass is not None:
-                self._bypass[bypass][layer] += 1
-            if outcome == "miss":
-                self._full_misses[layer] += 1
-            self._lat_count[outcome] += 1
+            self._count(layer, outcome, tier_results, bypass)
             if seconds is None:
                 return
             self._lat_timed[outcome] += 1
@@ -144,6 +135,25 @@ class CacheStats:
             self._lat_min[outcome] = min(self._lat_min[outcome], seconds)
             self._lat_recent[outcome].append(seconds)
             self._recent.append((time.monotonic(), layer, outcome, seconds))
+
+    def record_untimed_hits(self, hits) -> None:
+        """`record(layer, "hit", None, tier_results=...)` for each (layer, tier_results) of `hits`, under one lock
+        (the layers of a step served in one call)."""
+        with self._lock:
+            for layer, tier_results in hits:
+                self._count(layer, "hit", tier_results, None)
+
+    def _count(self, layer: int, outcome: str, tier_results, bypass: str | None) -> None:
+        self._calls += 1
+        if tier_results:
+            self._lookups += 1
+        for tier, hit in tier_results:
+            (self._hits if hit else self._misses)[tier][layer] += 1
+        if bypass is not None:
+            self._bypass[bypass][layer] += 1
+        if outcome == "miss":
+            self._full_misses[layer] += 1
+        self._lat_count[outcome] += 1
 
     def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None:
         with self._lock:

@@ -90,13 +90,28 @@ class HitRule:
                 return None
             cos = float(x @ x0) / (nx * n0)
             return cos if cos >= self.tau else None
+        distance_sq, norm_sq = self._near(x[None], x0[None])
+        return -float(distance_sq[0]) if self._near_enough(distance_sq, norm_sq)[0] else None
+
+    def admits(self, x: np.ndarray, x0: np.ndarray) -> np.ndarray:
+        """Row by row (x, x0: (n, d)): whether an entry stored for x0 may serve x (closeness is not None)."""
+        if self.mode == "feature_set":
+            return np.ones(x.shape[0], bool)
+        if self.mode == "cosine":
+            return np.array([self.closeness(a, b) is not None for a, b in zip(x, x0)], bool)
+        return self._near_enough(*self._near(x, x0))
+
+    @staticmethod
+    def _near(x: np.ndarray, x0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """|x - x0|^2 and |x|^2 per row: summed in float32 as the inputs are, compared in float64."""
         diff = x - x0
-        distance_sq, norm_sq = float(diff @ diff), float(x @ x)
+        return (np.einsum("ij,ij->i", diff, diff).astype(np.float64),
+                np.einsum("ij,ij->i", x, x).astype(np.float64))
+
+    def _near_enough(self, distance_sq: np.ndarray, norm_sq: np.ndarray) -> np.ndarray:
         # Compared squared: no square root on the hit path. NaN compares False, and a norm beyond float32
         # (inf <= inf would pass) is refused, so a non-finite or overflowing input misses.
-        if distance_sq <= self.max_distance * self.max_distance * norm_sq and norm_sq < math.inf:
-            return -distance_sq
-        return None
+        return (distance_sq <= self.max_distance * self.max_distance * norm_sq) & (norm_sq < math.inf)
 
 
 class CacheTier:
@@ -153,34 +168,55 @@ class CacheTier:
                 self._layers[layer].move_to_end(key)
             return best
 
+    def newest_many(self, wanted) -> list[CacheEntry | None]:
+        """`lookup(layer, key, None, None)` for each (layer, key) of `wanted`, under one lock."""
+        with self._lock:
+            found = []
+            for layer, key in wanted:
+                bucket = self._layers[layer].get(key) if self._valid_layer(layer) else None
+                if bucket is not None and self.settings.policy == "lru":
+                    self._layers[layer].move_to_end(key)
+                found.append(bucket[-1] if bucket is not None else None)
+            return found
+
     def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
         """Insert; returns False when the tier dropped it (full under the drop policy)."""
         if not self._valid_layer(layer):
             return False
-        s = self.settings
         with self._lock:
-            entries = self._layers[layer]
-            bucket = entries.get(key)
-            if bucket is None:
-                if len(entries) >= s.capacity:
-                    if s.policy == "drop":
-                        self._dropped[layer] += 1
-                        return False
-                    self._evict_oldest(layer)
-                bucket = entries[key] = []
-            elif s.policy == "lru":
-                entries.move_to_end(key)
-            # An existing key is always updated (never dropped); buckets keep the newest entries.
-            bucket.append(entry)
-            self._bytes[layer] += entry.nbytes
-            self._entries[layer] += 1
-            while len(bucket) > max(1, bucket_size):
-                old = bucket.pop(0)
-                self._bytes[layer] -= old.nbytes
-                self._entries[layer] -= 1
-            if s.byte_budget is not None:
-                self._enforce_budget(layer, key)
-            return key in entries
+            return self._store(layer, key, entry, bucket_size)
+
+    def store_many(self, items, bucket_size: int = 1) -> None:
+        """`store(layer, key, entry, bucket_size)` for each (layer, key, entry) of `items`, under one lock."""
+        with self._lock:
+            for layer, key, entry in items:
+                if self._valid_layer(layer):
+                    self._store(layer, key, entry, bucket_size)
+
+    def _store(self, layer: int, key, entry: CacheEntry, bucket_size: int) -> bool:
+        s = self.settings
+        entries = self._layers[layer]
+        bucket = entries.get(key)
+        if bucket is None:
+            if len(entries) >= s.capacity:
+                if s.policy == "drop":
+                    self._dropped[layer] += 1
+                    return False
+                self._evict_oldest(layer)
+            bucket = entries[key] = []
+        elif s.policy == "lru":
+            entries.move_to_end(key)
+        # An existing key is always updated (never dropped); buckets keep the newest entries.
+        bucket.append(entry)
+        self._bytes[layer] += entry.nbytes
+        self._entries[layer] += 1
+        while len(bucket) > max(1, bucket_size):
+            old = bucket.pop(0)
+            self._bytes[layer] -= old.nbytes
+            self._entries[layer] -= 1
+        if s.byte_budget is not None:
+            self._enforce_budget(layer, key)
+        return key in entries
 
     def _evict_oldest(self, layer: int) -> None:
         _, bucket = self._layers[layer].popitem(last=False)
@@ -246,3 +282,10 @@ class PersistentTierView:
 
     def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
         return self._store.put(layer, key[0], key[1], entry)
+
+    def store_many(self, items, bucket_size: int = 1) -> None:
+        for layer, key, entry in items:
+            self.store(layer, key, entry, bucket_size)
+
+    def newest_many(self, wanted) -> list[CacheEntry | None]:
+        return [self.lookup(layer, key, None, None) for layer, key in wanted]

@@ -31,11 +31,25 @@ from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full
                                              select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
+from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
 from larql_desktop.engine.model.transformer import ACTIVATIONS, PassAwareFfn
 from larql_desktop.engine.patches.overlay import PatchOverlay
 
 PATCH_MODES = ("bypass", "per_feature")
+
+
+@dataclass(frozen=True)
+class ServedStep:
+    """A decode step's guessed hits: per layer the key and its selection, its entry and the index of the tier
+    that holds it, and the entries' outputs stacked (n_layers, d) for the served decoder graph."""
+    start: tuple             # the trace's link to the first layer's key: the previous step's end and the token
+    keys: tuple
+    packed: tuple            # each key's selection mask (F,) packed as mask_key packs it (F/8 uint8)
+    selections: np.ndarray   # the same unpacked: (n_layers, F) bool
+    entries: tuple
+    found_in: tuple
+    outputs: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,17 @@ class WalkFfn(PassAwareFfn):
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
                  l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
-                 patches: PatchOverlay | None = None, key_log: list | None = None, l3=None):
+                 patches: PatchOverlay | None = None, key_log: list | None = None, l3=None,
+                 trace: KeyTrace | None = None):
         self.graphs = graphs
+        # Which key followed which (shared by the engine's walks): lets a decode step whose every layer will hit
+        # be named in advance and run in one call (plan_step / settle_step). None: every step runs layer by layer.
+        self.trace = trace
+        self._step_start = None      # the trace's link to this step's layer-0 key (set by plan_step)
+        self._previous = None        # (layer, key) of this walk's latest decode lookup
+        self._last_step_key = None   # the last layer's key of the previous step (or of a prefill's last row)
+        self.steps_served = 0        # decode steps planned and served whole in one call
+        self.steps_resumed = 0       # planned steps in which a guess failed: computed on from that layer
         self.l3 = l3             # an l3.L3Store (persistent tier after L2) or None
         self._l3_tier = PersistentTierView(l3, graphs.config.n_layers) if l3 is not None else None
         # Outcome of the latest call ("hit", "miss", "bypass", "dense"), the tier that hit and the bypass reason:
@@ -288,16 +311,18 @@ class WalkFfn(PassAwareFfn):
         if bypass is not None:
             out = self._walk(layer, x, scores, self.selection_mask(scores), patched)
             self._record(layer, "bypass", started, bypass=bypass)
+            self._previous = None
+            if layer == self._n_layers - 1:
+                # A step after a prefill starts from the prompt's last position: that position's key names where
+                # the step begins. After a patched decode step nothing does.
+                self._last_step_key = (self._key_of(scores[-1])[0] if bypass == "prefill" and self.trace is not None
+                                       else None)
             return out
-        # Only untouched feature sets reach here: their output depends on the base weights alone. The key is
-        # packed from the selection mask itself (no ids) unless it is built from fewer features than K.
-        selected = select_mask(scores[0], s.top_k)
-        if s.key_width >= s.top_k:
-            key = (self.namespace(), mask_key(selected))
-        else:
-            key = (self.namespace(), feature_key(key_features(scores[0], np.flatnonzero(selected), s.key_width)))
+        # Only untouched feature sets reach here: their output depends on the base weights alone.
+        key, selected = self._key_of(scores[0])
         if self.key_log is not None:
             self.key_log.append((layer, key))
+        self._link(layer, key, selected)
         x0 = x[0]
         rule = self._hit_rule
         bucket = s.bucket_size if s.cosine_guard is not None else 1
@@ -325,6 +350,132 @@ class WalkFfn(PassAwareFfn):
         if self.near_miss is not None and entry is not None:
             self.near_miss.after_miss(layer, started, x0, out[0], entry, tiers, key[0], self.stats)
         return out
+
+    def _key_of(self, scores: np.ndarray) -> tuple[tuple, np.ndarray]:
+        """The cache key of one position's base gate scores (F,), and its selection mask: packed from the mask
+        itself (no ids) unless the key is built from fewer features than K."""
+        s = self.settings
+        selected = select_mask(scores, s.top_k)
+        if s.key_width >= s.top_k:
+            return (self.namespace(), mask_key(selected)), selected
+        return (self.namespace(), feature_key(key_features(scores, np.flatnonzero(selected), s.key_width))), selected
+
+    @property
+    def _n_layers(self) -> int:
+        return self.graphs.config.n_layers
+
+    # -- whole steps of hits (the served decoder graph) ----------------------------------------------------
+    def _link(self, layer: int, key, selected: np.ndarray) -> None:
+        """Note in the trace that `key`, of the selection mask `selected` (F,) or its packed bits, was looked up
+        at `layer` after this walk's previous lookup."""
+        if self.trace is None:
+            return
+        if layer == 0:
+            previous, self._step_start = self._step_start, None
+        else:
+            previous = self._previous if self._previous is not None and self._previous[0] == layer - 1 else None
+        if previous is not None:
+            packed = selected if selected.dtype == np.uint8 else np.packbits(selected, bitorder="little")
+            self.trace.link(previous, (key, packed))
+        self._previous = (layer, key)
+        if layer == self._n_layers - 1:
+            self._last_step_key = key
+
+    def _serves_steps(self) -> bool:
+        """Whether a whole step may be served from a plan: a cache to serve from, one entry per key (no guard
+        bucket to choose within by the input), no INSERT override anywhere, no hit to verify."""
+        s = self.settings
+        return (self.trace is not None and not (s.dense or self.full_k) and s.cosine_guard is None
+                and not s.verify_fraction and not self.patches.overridden_layers and bool(self._lookup_tiers()))
+
+    def pass_end(self):
+        return self._last_step_key
+
+    def continue_after(self, pass_end) -> None:
+        self._last_step_key = pass_end
+
+    def plan_step(self, token: int) -> "ServedStep | None":
+        """Every layer's entry for a decode step of `token`, guessed by following the trace from the previous
+        step's last key and the token, when each guessed key has an entry in some tier; else None."""
+        # Where the previous step ended is unknown (a new walk, a patched pass): no link is made from here, as
+        # one from "nowhere" would name the entries of whatever step last began there.
+        start = None if self._last_step_key is None else ("step", self._last_step_key, int(token))
+        self._step_start = start
+        if start is None or not self._serves_steps():
+            return None
+        n = self._n_layers
+        chain = self.trace.follow_chain(start, n, lambda layer, following: (layer, following[0]))
+        namespace = self.namespace()
+        if chain is None or any(key[0] != namespace for key, _ in chain):   # links made under other settings
+            return None
+        keys = tuple(key for key, _ in chain)
+        entries: list = [None] * n
+        found_in = [0] * n
+        missing = list(range(n))
+        for i, tier in enumerate(self._lookup_tiers()):    # each tier once, for the layers the ones above lack
+            for layer, entry in zip(missing, tier.newest_many([(layer, keys[layer]) for layer in missing])):
+                if entry is not None:      # its input is checked once the step has run
+                    entries[layer], found_in[layer] = entry, i
+            missing = [layer for layer in missing if entries[layer] is None]
+            if not missing:
+                break
+        else:
+            return None
+        packed = tuple(selection for _, selection in chain)
+        masks = np.unpackbits(np.stack(packed), axis=1, count=self.intermediate, bitorder="little")
+        return ServedStep(start, keys, packed, masks.view(bool), tuple(entries), tuple(found_in),
+                          np.stack([e.output for e in entries]))
+
+    def settle_step(self, step: "ServedStep", ran) -> int:
+        """Check each layer's guessed entry against the step as it ran: served where its key is the key of the
+        layer's scores and the hit rule lets it serve the layer's input (what a lookup would serve), recorded as
+        that tier's hit (untimed: one call ran the step) and filling the tiers above it. Stops at the first
+        layer where a guess fails: the model computes from there, and that layer's lookup is its own."""
+        tiers = self._lookup_tiers()
+        residuals = np.stack([e.residual for e in step.entries])
+        holds = self._keys_hold(step, ran.scores, ran.settled) & self._hit_rule.admits(ran.inputs, residuals)
+        served = len(step.keys) if holds.all() else int(np.argmin(holds))
+        if served == len(step.keys):
+            self.steps_served += 1
+        else:
+            self.steps_resumed += 1
+        if not served:
+            return 0
+        layers = range(served)
+        keys = step.keys
+        # The links that named these layers, followed again (kept as recent), and where the next step starts.
+        self.trace.link_many([(step.start, (keys[0], step.packed[0]))] +
+                             [((layer - 1, keys[layer - 1]), (keys[layer], step.packed[layer]))
+                              for layer in range(1, served)])
+        self._step_start = None
+        self._previous = (served - 1, keys[served - 1])
+        if served == self._n_layers:
+            self._last_step_key = keys[-1]
+        if self.key_log is not None:
+            self.key_log.extend((layer, keys[layer]) for layer in layers)
+        for i, upper in enumerate(tiers[:-1]):       # a hit fills the tiers above it
+            fills = [(layer, keys[layer], step.entries[layer]) for layer in layers if step.found_in[layer] > i]
+            if fills:
+                upper.store_many(fills)
+        results = [tuple((t.name, i == found) for i, t in enumerate(tiers[:found + 1])) for found in range(len(tiers))]
+        hits = [(layer, results[step.found_in[layer]]) for layer in layers]
+        for st in self.stats:
+            st.record_untimed_hits(hits)
+        self.last_outcome, self.last_bypass, self.last_tier = "hit", None, tiers[step.found_in[served - 1]].name
+        return served
+
+    def _keys_hold(self, step: "ServedStep", scores: np.ndarray, settled: np.ndarray) -> np.ndarray:
+        """Per layer, whether the key of its scores is the guessed key. Where the guessed selection is the
+        scores' top K with no tie at the K-th place (`settled`, checked in the graph), it is: the key is a
+        function of the selection. Elsewhere, and for keys of fewer features than K, the key is made and
+        compared."""
+        s = self.settings
+        holds = settled.copy() if s.key_width >= s.top_k else np.zeros(len(step.keys), bool)
+        for layer in np.flatnonzero(~holds):
+            holds[layer] = self._key_of(scores[layer])[0] == step.keys[layer]
+            if not holds[layer]:
+                break              # the step is served up to here: the layers after it do not matter
+        return holds
 
     def _verify(self, layer, x, scores, mask, entry: CacheEntry) -> None:
         """Fidelity: the hit against a fresh computation at this input. Staleness: the entry against a fresh

@@ -10,10 +10,16 @@ build_head_graph), each tensor renamed into its layer's namespace and wired outp
 compute the same thing node for node. Inputs: the embeddings h (T, d), zeros f0 (T, d) for layer 0's "previous
 FFN output", every layer's KV cache (bound as past and present, written in place), seqlens_k/total_len and one
 cos/sin table per rope base. Output: the logits of the last position (1, vocab).
+
+The served decoder is the same composition for a decode step whose every FFN output is known in advance: the
+walk's cache hits, guessed from the key trace (cache/trace.py) before the step runs. It computes attention and
+the gate scores of every layer with the given FFN outputs in between, and hands back each layer's FFN input
+and scores, from which the walk checks that every guessed entry is the one a lookup would have served.
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +37,7 @@ from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions,
 DECODER_EXPORT_FORMAT = f"decoder1-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"
 MANIFEST = "decoder.manifest.json"
 FILE = "decoder.onnx"
+SERVED_FILE = "decoder.served.onnx"
 FLOAT = TensorProto.FLOAT
 
 
@@ -60,17 +67,46 @@ def _renamed(graph: onnx.GraphProto, rename) -> tuple[list, list]:
     return nodes, inits
 
 
+def _layer(gguf: GgufFile, cfg: ModelConfig, i: int, f_in: str, gated: bool) -> tuple[list, list]:
+    """Layer i's graph (build_layer_graph; the gated one, also giving "l{i}.scores", if `gated`), each tensor
+    renamed into the namespace "l{i}." and wired to the shared inputs; `f_in` names what it reads as "f" (the
+    previous layer's FFN output)."""
+    table = rope_bases(cfg).index(cfg.rope_base_for(i))
+    edges = {"h": "h" if i == 0 else f"l{i - 1}.h_out", "f": f_in,
+             "seqlens_k": "seqlens_k", "total_len": "total_len", "cos": f"cos{table}", "sin": f"sin{table}",
+             "past_key": f"past_key{i}", "past_value": f"past_value{i}",
+             "present_key": f"present_key{i}", "present_value": f"present_value{i}"}
+    return _renamed(build_layer_graph(gguf, cfg, i, gated=gated).graph, lambda name: edges.get(name, f"l{i}.{name}"))
+
+
+def _head(gguf: GgufFile, cfg: ModelConfig, h: str, f: str) -> tuple[list, list]:
+    head_edges = {"h": h, "f": f, "logits": "logits"}
+    return _renamed(build_head_graph(gguf, cfg).graph, lambda name: head_edges.get(name, f"head.{name}"))
+
+
+def _cache_and_rope_io(cfg: ModelConfig) -> tuple[list, list]:
+    """The inputs and outputs every decoder graph shares: the KV caches (past and present), seqlens_k/total_len
+    and one cos/sin table per rope base."""
+    cache = [1, cfg.n_kv_heads, "C", cfg.head_dim]
+    inputs, outputs = [], []
+    for i in range(cfg.n_layers):
+        inputs += [helper.make_tensor_value_info(f"past_key{i}", FLOAT, cache),
+                   helper.make_tensor_value_info(f"past_value{i}", FLOAT, cache)]
+        outputs += [helper.make_tensor_value_info(f"present_key{i}", FLOAT, cache),
+                    helper.make_tensor_value_info(f"present_value{i}", FLOAT, cache)]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+               helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+    for t in range(len(rope_bases(cfg))):
+        inputs += [helper.make_tensor_value_info(f"cos{t}", FLOAT, ["P", cfg.head_dim // 2]),
+                   helper.make_tensor_value_info(f"sin{t}", FLOAT, ["P", cfg.head_dim // 2])]
+    return inputs, outputs
+
+
 def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
-    n, bases = cfg.n_layers, rope_bases(cfg)
+    n = cfg.n_layers
     nodes, inits = [], []
     for i in range(n):
-        table = bases.index(cfg.rope_base_for(i))
-        edges = {"h": "h" if i == 0 else f"l{i - 1}.h_out", "f": "f0" if i == 0 else f"l{i - 1}.ffn_out",
-                 "seqlens_k": "seqlens_k", "total_len": "total_len", "cos": f"cos{table}", "sin": f"sin{table}",
-                 "past_key": f"past_key{i}", "past_value": f"past_value{i}",
-                 "present_key": f"present_key{i}", "present_value": f"present_value{i}"}
-        more_nodes, more_inits = _renamed(build_layer_graph(gguf, cfg, i).graph,
-                                          lambda name, i=i, edges=edges: edges.get(name, f"l{i}.{name}"))
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=False)
         nodes += more_nodes
         inits += more_inits
         ffn_edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.ffn_out"}
@@ -84,31 +120,90 @@ def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
               numpy_helper.from_array(np.array([0], np.int64), "last_axis")]
     nodes += [helper.make_node("Slice", [f"l{n - 1}.h_out", "last_start", "last_end", "last_axis"], ["h_last"]),
               helper.make_node("Slice", [f"l{n - 1}.ffn_out", "last_start", "last_end", "last_axis"], ["f_last"])]
-    head_edges = {"h": "h_last", "f": "f_last", "logits": "logits"}
-    more_nodes, more_inits = _renamed(build_head_graph(gguf, cfg).graph,
-                                      lambda name: head_edges.get(name, f"head.{name}"))
+    more_nodes, more_inits = _head(gguf, cfg, "h_last", "f_last")
     nodes += more_nodes
     inits += more_inits
-
-    cache = [1, cfg.n_kv_heads, "C", cfg.head_dim]
+    cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, ["T", cfg.hidden]),
-              helper.make_tensor_value_info("f0", FLOAT, ["T", cfg.hidden])]
-    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size])]
-    for i in range(n):
-        inputs += [helper.make_tensor_value_info(f"past_key{i}", FLOAT, cache),
-                   helper.make_tensor_value_info(f"past_value{i}", FLOAT, cache)]
-        outputs += [helper.make_tensor_value_info(f"present_key{i}", FLOAT, cache),
-                    helper.make_tensor_value_info(f"present_value{i}", FLOAT, cache)]
-    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
-               helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
-    for t in range(len(bases)):
-        inputs += [helper.make_tensor_value_info(f"cos{t}", FLOAT, ["P", cfg.head_dim // 2]),
-                   helper.make_tensor_value_info(f"sin{t}", FLOAT, ["P", cfg.head_dim // 2])]
+              helper.make_tensor_value_info("f0", FLOAT, ["T", cfg.hidden])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size])] + cache_outputs
     return make_model(nodes, inits, inputs, outputs, "decoder")
 
 
+def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """One decode step (T = 1) with every layer's FFN output given rather than computed: the walk FFN's cache
+    hits for a whole token in one call. Input "served" (n_layers, d): row i is layer i's FFN output (a cached
+    entry). Outputs besides the logits and the KV rows, one row per layer: "inputs" (n, d) the normed FFN inputs
+    and "scores" (n, F) their gate scores (what the walk checks each served entry against: its key and its hit
+    rule), "residuals" (n, d) the residuals after each layer's attention (where a pass resumes when a served
+    entry turns out not to apply). Composed from the gated layer graphs and the head graph, so every tensor is
+    computed by the same nodes as in the per-layer path."""
+    n = cfg.n_layers
+    nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n)]
+    inits = []
+    for i in range(n):
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"served{i - 1}", gated=True)
+        nodes += more_nodes
+        inits += more_inits
+    for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    nodes += _selection_check_nodes(inits)
+    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"served{n - 1}")
+    nodes += more_nodes
+    inits += more_inits
+    cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
+    inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("served", FLOAT, [n, cfg.hidden]),
+              helper.make_tensor_value_info("selections", TensorProto.BOOL, [n, cfg.intermediate])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size]),
+               helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("scores", FLOAT, [n, cfg.intermediate]),
+               helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("settled", TensorProto.BOOL, [n])] + cache_outputs
+    return make_model(nodes, inits, inputs, outputs, "served_decoder")
+
+
+def _selection_check_nodes(inits: list) -> list:
+    """"settled" (n,): per layer, whether the guessed selection ("selections", (n, F) bool) is exactly the top
+    |selection| features of the layer's scores by magnitude with no tie at the boundary (its weakest selected
+    magnitude above its strongest unselected one) and no NaN among the scores. Where it is, the key of the
+    scores is the guessed key whatever the tie rule; elsewhere the walk makes the key itself. (numpy's masked
+    reductions cost ~0.4 ms for SmolLM2's 30 x 1536 scores; these nodes a few microseconds.)"""
+    inits += [numpy_helper.from_array(np.array(np.inf, np.float32), "check_inf"),
+              numpy_helper.from_array(np.array(-1.0, np.float32), "check_below"),
+              numpy_helper.from_array(np.array([1], np.int64), "check_axis")]
+    return [
+        helper.make_node("Abs", ["scores"], ["check_magnitudes"]),
+        helper.make_node("Where", ["selections", "check_magnitudes", "check_inf"], ["check_in"]),
+        helper.make_node("ReduceMin", ["check_in", "check_axis"], ["check_weakest_in"], keepdims=0),
+        helper.make_node("Where", ["selections", "check_below", "check_magnitudes"], ["check_out"]),
+        helper.make_node("ReduceMax", ["check_out", "check_axis"], ["check_strongest_out"], keepdims=0),
+        helper.make_node("Greater", ["check_weakest_in", "check_strongest_out"], ["check_separated"]),
+        helper.make_node("IsNaN", ["scores"], ["check_nan"]),
+        helper.make_node("Cast", ["check_nan"], ["check_nan_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMax", ["check_nan_f", "check_axis"], ["check_nan_rows"], keepdims=0),
+        helper.make_node("Cast", ["check_nan_rows"], ["check_nan_any"], to=TensorProto.BOOL),
+        helper.make_node("Not", ["check_nan_any"], ["check_finite"]),
+        helper.make_node("And", ["check_separated", "check_finite"], ["settled"]),
+    ]
+
+
+@dataclass(frozen=True)
+class ServedPass:
+    """What one call of the served decoder graph computed: the logits (1, vocab), and per layer (rows) the
+    normed FFN inputs (n, d), their gate scores (n, F), the residuals after attention (n, d) and whether the
+    guessed selection is the scores' own."""
+    logits: np.ndarray
+    inputs: np.ndarray
+    scores: np.ndarray
+    residuals: np.ndarray
+    settled: np.ndarray     # (n,) bool: the guessed selection is the scores' top K, no tie at the K-th place
+
+
 class OnnxDecoder:
-    """The whole-model graph of one model, checked/exported at load, its session made on first use."""
+    """The whole-model graphs of one model, checked/exported at load, their sessions made on first use: the
+    dense decoder (every layer's dense FFN computed) and the served decoder (every layer's FFN output given)."""
 
     def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path,
                  threads: int = 2, progress: Progress | None = None):
@@ -119,38 +214,93 @@ class OnnxDecoder:
         self.rebuilt = store.rebuilt
         build = partial(build_decoder_graph, gguf, config)
         store.ensure(FILE, build, "Exporting the whole-model decoder graph to ONNX", optimized=True)
+        build_served = partial(build_served_decoder_graph, gguf, config)
+        store.ensure(SERVED_FILE, build_served, "Exporting the served decoder graph to ONNX", 0.5, optimized=True)
         store.save()
         # One session doing all the work: its threads should spin between the ~800 kernels of a step rather
         # than sleep and be woken for each (77 vs 55 tok/s on SmolLM2 with a pool of its own).
-        self._sessions = LazySessions(store, [(FILE, build)], partial(session_options, threads, spinning=True),
-                                      optimized=True)
+        opts = partial(session_options, threads, spinning=True)
+        self._sessions = LazySessions(store, [(FILE, build)], opts, optimized=True)
+        self._served = LazySessions(store, [(SERVED_FILE, build_served)], opts, optimized=True)
         self._local = threading.local()
         self._zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
 
-    def load_sessions(self, progress: Progress | None = None) -> None:
-        self._sessions.load_all(progress, "Loading the decoder graph")
+    def load_sessions(self, progress: Progress | None = None, served: bool = False) -> None:
+        """Create the dense decoder's session now, or with `served` the served decoder's (what a walk runs)."""
+        if served:
+            self._served.load_all(progress, "Loading the served decoder graph")
+        else:
+            self._sessions.load_all(progress, "Loading the decoder graph")
+
+    def _bindings(self) -> "_ThreadBindings":
+        state = getattr(self._local, "state", None)
+        if state is None:     # per thread: bindings are not thread-safe, sessions are
+            state = self._local.state = _ThreadBindings(self._sessions, self._served, self.config)
+        return state
+
+    def _bind_step(self, b: "_DecoderBinding", h: np.ndarray, start: int, kv, rope) -> None:
+        T = h.shape[0]
+        b.bind_cache(kv)
+        b.seqlens[0] = start + T - 1
+        b.total[()] = start + T
+        for t, base in enumerate(self.bases):
+            cos, sin = rope.table(base, start + T)
+            b.binding.bind_input(f"cos{t}", cos)
+            b.binding.bind_input(f"sin{t}", sin)
+        b.binding.bind_input("h", np.ascontiguousarray(h, dtype=np.float32))
+        b.binding.bind_input("f0", self._zeros(T))
 
     def run(self, h: np.ndarray, start: int, kv, rope) -> np.ndarray:
         """Logits (1, vocab) of the last of the T positions h (T, d) after kv's `start` tokens; writes rows
         start..start+T of every layer's keys/values in place (kv has room: the caller reserved it)."""
-        state = getattr(self._local, "state", None)
-        if state is None:     # per thread: bindings are not thread-safe, sessions are
-            state = self._local.state = _DecoderBinding(Binding(self._sessions[0]), self.config)
-        T = h.shape[0]
-        state.bind_cache(kv)
-        state.seqlens[0] = start + T - 1
-        state.total[()] = start + T
-        b = state.binding
-        for t, base in enumerate(self.bases):
-            cos, sin = rope.table(base, start + T)
-            b.bind_input(f"cos{t}", cos)
-            b.bind_input(f"sin{t}", sin)
-        b.bind_input("h", np.ascontiguousarray(h, dtype=np.float32))
-        b.bind_input("f0", self._zeros(T))
+        b = self._bindings().dense
+        self._bind_step(b, h, start, kv, rope)
         logits = np.empty((1, self.config.vocab_size), np.float32)
-        b.bind_output("logits", logits)
-        b.run()
+        b.binding.bind_output("logits", logits)
+        b.binding.run()
         return logits
+
+    def run_served(self, h: np.ndarray, start: int, kv, rope, served: np.ndarray,
+                   selections: np.ndarray) -> ServedPass:
+        """One decode step, h (1, d) at position `start`, with layer i's FFN output taken from served[i]
+        (n, d) rather than computed; `selections` (n, F) bool: the features each layer is guessed to select.
+        Writes row `start` of every layer's keys/values in place."""
+        b = self._bindings().served
+        self._bind_step(b, h, start, kv, rope)
+        cfg = self.config
+        n = cfg.n_layers
+        out = ServedPass(np.empty((1, cfg.vocab_size), np.float32), np.empty((n, cfg.hidden), np.float32),
+                         np.empty((n, cfg.intermediate), np.float32), np.empty((n, cfg.hidden), np.float32),
+                         np.empty(n, bool))
+        b.binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        b.binding.bind_input("selections", np.ascontiguousarray(selections, dtype=bool))
+        for name in ("logits", "inputs", "scores", "residuals", "settled"):
+            b.binding.bind_output(name, getattr(out, name))
+        b.binding.run()
+        return out
+
+
+class _ThreadBindings:
+    """One thread's bindings of the two decoder sessions, each made on its first use."""
+
+    def __init__(self, dense: LazySessions, served: LazySessions, config: ModelConfig):
+        self._sessions = {"dense": dense, "served": served}
+        self._config = config
+        self._made: dict[str, _DecoderBinding] = {}
+
+    def _get(self, kind: str) -> "_DecoderBinding":
+        b = self._made.get(kind)
+        if b is None:
+            b = self._made[kind] = _DecoderBinding(Binding(self._sessions[kind][0]), self._config)
+        return b
+
+    @property
+    def dense(self) -> "_DecoderBinding":
+        return self._get("dense")
+
+    @property
+    def served(self) -> "_DecoderBinding":
+        return self._get("served")
 
 
 class _DecoderBinding:

@@ -11,7 +11,7 @@ from larql_desktop.engine.cache.tiers import CacheTier
 from larql_desktop.engine.completions import StopStrings
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
-from larql_desktop.engine.model.transformer import FfnCall, KvCache
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
 from larql_desktop.engine.loading import LoadedModel
 
 ROLES = ("user", "assistant")
@@ -65,7 +65,8 @@ class ChatSession:
         # Next-token logits at the end of the last prompt (and the FFN outcomes of that pass), so a regeneration
         # starts from exactly the same state (re-running the last prompt token alone would differ from the
         # batched prefill by rounding).
-        self._prompt_logits: tuple[tuple[int, ...], np.ndarray, tuple[LayerOutcome, ...]] | None = None
+        # The prompt's ids, logits, per-layer outcomes and the FFN's pass_end(): a regenerate starts from them.
+        self._prompt_logits: tuple[tuple[int, ...], np.ndarray, tuple[LayerOutcome, ...], object] | None = None
         self.outcomes = OutcomeRecorder()   # per-layer outcomes of each forward pass, for the token view
 
     def reset(self) -> None:
@@ -106,6 +107,8 @@ class ChatSession:
                 self.kv.truncate(len(ids))
                 del self.history[len(ids):]
                 logits, ran, layers = saved[1], 0, saved[2]
+                if isinstance(self.ffn, PassAwareFfn):   # the steps follow the prompt's pass again
+                    self.ffn.continue_after(saved[3])
             else:
                 # Reuse the KV cache for the longest common prefix; at least one token must run.
                 common = 0
@@ -121,7 +124,8 @@ class ChatSession:
                 layers = recorder.take()
                 self.history.extend(ids[common:])
                 ran = len(ids) - common
-                self._prompt_logits = (tuple(ids), logits, layers)
+                self._prompt_logits = (tuple(ids), logits, layers,
+                                       self.ffn.pass_end() if isinstance(self.ffn, PassAwareFfn) else None)
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
                                token_text=self._token_text, recorder=recorder, first_layers=layers):

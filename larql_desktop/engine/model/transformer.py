@@ -57,6 +57,27 @@ class PassAwareFfn(ABC):
     def record_dense_pass(self) -> None:
         """Called once for each pass the model ran in the decoder graph after `runs_plain_dense()` said yes."""
 
+    def pass_end(self):
+        """What the FFN knows of where the latest pass ended, for `continue_after` when the context is rolled
+        back to that point (a regenerate reusing the prompt's pass)."""
+        return None
+
+    def continue_after(self, pass_end) -> None:
+        """The next step follows the pass whose `pass_end()` this was, not the latest one."""
+
+    def plan_step(self, token: int):
+        """Before a decode step of `token` (not a plain dense one): an object whose `outputs` (n_layers, d) are
+        every layer's FFN output and `selections` (n_layers, F) bool the features each layer is guessed to
+        select, when the FFN can name them before the step runs, else None. The model then runs the step in its
+        served decoder graph and hands what it computed (a decoder.ServedPass) to `settle_step`."""
+        return None
+
+    def settle_step(self, step, ran) -> int:
+        """The planned step ran with `step.outputs`; `ran` holds each layer's normed FFN input, gate scores and
+        whether the guessed selection held. Returns how many layers, from the first, were served what this FFN
+        would have computed for them: the model redoes the rest from that layer's FFN on."""
+        return 0
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # (T, d) or (..., d)
@@ -273,9 +294,28 @@ class TransformerModel:
             logits = self.decoder.run(h, start, kv, self.rope)
             kv.length = start + ids.size
             return logits
+        if (self.decoder is not None and ids.size == 1 and not all_logits and record is None
+                and isinstance(ffn, PassAwareFfn)):
+            step = ffn.plan_step(int(ids[0]))
+            if step is not None:
+                return self._forward_served(h, start, kv, ffn, step)
         if self.graphs is not None:
             return self._forward_graphs(h, start, kv, ffn, all_logits, record)
         return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
+
+    def _forward_served(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, step) -> np.ndarray:
+        """A decode step in one call of the served decoder graph, with the FFN's planned outputs; from the first
+        layer whose output turns out not to apply, the step goes on layer by layer."""
+        ran = self.decoder.run_served(h, start, kv, self.rope, step.outputs, step.selections)
+        served = ffn.settle_step(step, ran)
+        if served == self.config.n_layers:
+            kv.length = start + 1
+            return ran.logits
+        # Layers before `served` were given what the FFN computes for them, so layer `served`'s attention, input
+        # and scores stand; its FFN runs now, and the layers after it run again (rewriting their KV rows).
+        i = served
+        f = np.ascontiguousarray(ffn.call_with_scores(i, ran.inputs[i:i + 1], ran.scores[i:i + 1]), dtype=np.float32)
+        return self._forward_graphs(ran.residuals[i:i + 1], start, kv, ffn, False, first=i + 1, f=f)
 
     def resume(self, layer: int, h: np.ndarray, x: np.ndarray, kv: KvCache, ffn: FfnCall,
                record: LayerRecord | None = None) -> np.ndarray:
