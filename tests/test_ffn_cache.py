@@ -12,7 +12,7 @@ from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import CacheEntry, CacheTier, HitRule, TierSettings
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.generation import SamplingSettings
-from larql_desktop.engine.model.transformer import KvCache
+from greedy_runs import run_sequence
 
 
 def entry(value: float, d: int = 8) -> CacheEntry:
@@ -145,19 +145,6 @@ def test_eight_threads_hammering_l2_lose_no_counts_and_corrupt_nothing():
 
 
 # ------------------------------------------------------------------------------------------ real models
-def run_sequence(model, ffn, ids, n_decode):
-    """Prefill `ids`, then greedily decode; returns (tokens, logits of every decode step)."""
-    kv = KvCache(model.config)
-    logits = model.transformer.forward(ids, kv, ffn)[-1]
-    tokens, all_logits = [], []
-    for _ in range(n_decode):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        logits = model.transformer.forward([token], kv, ffn)[-1]
-        all_logits.append(logits)
-    return tokens, np.stack(all_logits)
-
-
 def test_repeat_hits_every_decode_lookup_and_is_bit_identical_to_cache_off(smollm2):
     ids = smollm2.encode_prompt([{"role": "user", "content": "How many legs does a spider have?"}])
     off = LarqlEngine(smollm2, l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))

@@ -10,25 +10,12 @@ import pytest
 
 from larql_desktop.engine.cache.keys import select_mask
 from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings, _frozen
-from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+from greedy_runs import run_sequence
 
 OFF = TierSettings(enabled=False)
-
-
-def run_sequence(model, ffn, ids, n_decode):
-    """Prefill `ids`, then greedily decode; returns (tokens, logits of every decode step)."""
-    kv = KvCache(model.config)
-    logits = model.transformer.forward(ids, kv, ffn)[-1]
-    tokens, all_logits = [], []
-    for _ in range(n_decode):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        logits = model.transformer.forward([token], kv, ffn)[-1]
-        all_logits.append(logits)
-    return tokens, np.stack(all_logits)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])

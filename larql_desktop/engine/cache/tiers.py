@@ -153,17 +153,16 @@ class CacheTier:
         if not self._valid_layer(layer):
             return None
         with self._lock:
+            if rule is None:
+                return self._newest(layer, key)
             bucket = self._layers[layer].get(key)
             if bucket is None:
                 return None
-            if rule is None:
-                best = bucket[-1]
-            else:
-                best, best_score = None, None
-                for entry in reversed(bucket):        # newest first: ties go to the newest
-                    score = rule.closeness(x, entry.residual)
-                    if score is not None and (best_score is None or score > best_score):
-                        best, best_score = entry, score
+            best, best_score = None, None
+            for entry in reversed(bucket):        # newest first: ties go to the newest
+                score = rule.closeness(x, entry.residual)
+                if score is not None and (best_score is None or score > best_score):
+                    best, best_score = entry, score
             if best is not None and self.settings.policy == "lru":
                 self._layers[layer].move_to_end(key)
             return best
@@ -171,13 +170,16 @@ class CacheTier:
     def newest_many(self, wanted) -> list[CacheEntry | None]:
         """`lookup(layer, key, None, None)` for each (layer, key) of `wanted`, under one lock."""
         with self._lock:
-            found = []
-            for layer, key in wanted:
-                bucket = self._layers[layer].get(key) if self._valid_layer(layer) else None
-                if bucket is not None and self.settings.policy == "lru":
-                    self._layers[layer].move_to_end(key)
-                found.append(bucket[-1] if bucket is not None else None)
-            return found
+            return [self._newest(layer, key) if self._valid_layer(layer) else None for layer, key in wanted]
+
+    def _newest(self, layer: int, key) -> CacheEntry | None:
+        """The newest entry under `key` (held lock; a valid layer), kept as recent under `lru`."""
+        bucket = self._layers[layer].get(key)
+        if bucket is None:
+            return None
+        if self.settings.policy == "lru":
+            self._layers[layer].move_to_end(key)
+        return bucket[-1]
 
     def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
         """Insert; returns False when the tier dropped it (full under the drop policy)."""
@@ -282,10 +284,6 @@ class PersistentTierView:
 
     def store(self, layer: int, key, entry: CacheEntry, bucket_size: int = 1) -> bool:
         return self._store.put(layer, key[0], key[1], entry)
-
-    def store_many(self, items, bucket_size: int = 1) -> None:
-        for layer, key, entry in items:
-            self.store(layer, key, entry, bucket_size)
 
     def newest_many(self, wanted) -> list[CacheEntry | None]:
         return [self.lookup(layer, key, None, None) for layer, key in wanted]

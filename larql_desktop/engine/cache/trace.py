@@ -52,11 +52,6 @@ class KeyTrace:
         if len(links) > self.capacity:
             links.popitem(last=False)
 
-    def follow(self, previous: Hashable):
-        """What was looked up after `previous` the last time, or None."""
-        with self._lock:
-            return self._next.get(previous)
-
     def follow_chain(self, start: Hashable, length: int, step: Callable[[int, object], Hashable]) -> list | None:
         """`length` lookups followed from `start`, the i-th's successor found under `step(i, it)`; None as soon
         as one has none (one lock for the chain)."""
