@@ -37,7 +37,7 @@ from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.patches.overlay import PatchError, encode_vector, parse_patch
-from test_ffn_cache import run_sequence
+from greedy_runs import run_sequence
 from test_l3 import NS, _entry, open_store, redis_url  # noqa: F401  (fixtures)
 
 TOKEN = "s3cret-token-for-tests-0123456789"

@@ -22,7 +22,7 @@ from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.cache.l3 import (DTYPES, FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry,
                                            default_l3_path, encode_entry, open_l3)
-from test_ffn_cache import run_sequence
+from greedy_runs import run_sequence
 
 NS = ("checksum", 100, 100, "clean")
 REDIS_SERVER = shutil.which("redis-server") or next(
