@@ -438,13 +438,16 @@ def make_matmul_nbits_nodes(w: NBitsWeight, input_name: str, output_name: str, *
     float zero points (needed by Q4_1 / Q4_K) make it dequantise the whole weight on every call
     (~20-60x slower). With `split_offset` such a weight is emitted as the algebraically identical
 
-        y = MatMulNBits(x, codes, scale, zp=2^(bits-1)) + blocksum(x) @ C.T,
+        [y, s] = MatMulNBits(x, [codes; I], [scale; 1], zp=2^(bits-1)),   y += s @ C.T,
         C[n, b] = (2^(bits-1) - zp[n, b]) * scale[n, b]   (the per-block constant offset)
 
-    where blocksum(x) sums x over each block of `block_size` inputs (Reshape + ReduceSum), so the
-    codes still run through MatMulNBits unchanged. `input_rank` is the rank of the input (2 for
-    [M, K], 3 for [batch, seq, K]); the extra nodes need standard-domain opset >= 13.
-    Weights whose zero points are integral yield the single MatMulNBits node.
+    where the k_blocks extra rows I (code 2^(bits-1) + 1 on block b of row b, the zero point elsewhere)
+    make the same kernel return s, the sum of x over each block, beside the product: one MatMulNBits, a
+    Split and a Gemm, where a Reshape + ReduceSum block sum cost two more kernel launches per weight (a
+    quarter of a decode step's kernel time on SmolLM2). At accuracy_level 4 the block sums are those of
+    the int8-quantised activations, as llama.cpp's Q4_1 x Q8_1 and Q4_K x Q8_K dot products take them.
+    `input_rank` is the rank of the input (2 for [M, K], 3 for [batch, seq, K]); the extra nodes need
+    standard-domain opset >= 13. Weights whose zero points are integral yield the single MatMulNBits node.
     """
     from onnx import helper, numpy_helper
 
@@ -456,25 +459,36 @@ def make_matmul_nbits_nodes(w: NBitsWeight, input_name: str, output_name: str, *
         return [node], inits
     if input_rank < 1:
         raise ValueError("input_rank must be >= 1")
-    zd = float(w.default_zero_point)
-    sym = NBitsWeight(bits=w.bits, block_size=w.block_size, N=w.N, K=w.K, packed=w.packed, scales=w.scales,
-                      zero_points=np.full_like(w.zero_points, zd))
+    zd = w.default_zero_point
     offsets = ((zd - w.zero_points.astype(np.float64)) * w.scales.astype(np.float64)).astype(np.float32)
     c_t = np.ascontiguousarray(offsets.reshape(w.N, w.k_blocks).T)          # [k_blocks, N]
-    q_out, blk_shape, blk, blk_sum, c_name, off_out, axes = (
-        f"{prefix}_nbits", f"{prefix}_blk_shape", f"{prefix}_blocks", f"{prefix}_blocksum",
-        f"{prefix}_offsets", f"{prefix}_offset", f"{prefix}_axes_last")
-    node, inits = make_matmul_nbits_node(sym, input_name, q_out, prefix=prefix, accuracy_level=accuracy_level)
+    with_sums = _with_block_sum_rows(w)
+    q_out, blk_sum, split, c_name, off_out = (
+        f"{prefix}_nbits", f"{prefix}_blocksum", f"{prefix}_split", f"{prefix}_offsets", f"{prefix}_offset")
+    node, inits = make_matmul_nbits_node(with_sums, input_name, f"{prefix}_nbits_sums", prefix=prefix,
+                                         accuracy_level=accuracy_level)
     inits = [*inits,
-             numpy_helper.from_array(np.array([0] * (input_rank - 1) + [-1, w.block_size], dtype=np.int64),
-                                     blk_shape),
-             numpy_helper.from_array(np.array([-1], dtype=np.int64), axes),
+             numpy_helper.from_array(np.array([w.N, w.k_blocks], dtype=np.int64), split),
              numpy_helper.from_array(c_t, c_name)]
-    nodes = [
-        node,
-        helper.make_node("Reshape", [input_name, blk_shape], [blk], name=f"{prefix}_Reshape"),
-        helper.make_node("ReduceSum", [blk, axes], [blk_sum], name=f"{prefix}_ReduceSum", keepdims=0),
-        helper.make_node("MatMul", [blk_sum, c_name], [off_out], name=f"{prefix}_OffsetMatMul"),
-        helper.make_node("Add", [q_out, off_out], [output_name], name=f"{prefix}_Add"),
-    ]
+    nodes = [node, helper.make_node("Split", [node.output[0], split], [q_out, blk_sum], name=f"{prefix}_Split",
+                                    axis=-1)]
+    if input_rank == 2:
+        nodes.append(helper.make_node("Gemm", [blk_sum, c_name, q_out], [output_name], name=f"{prefix}_OffsetGemm"))
+    else:
+        nodes += [helper.make_node("MatMul", [blk_sum, c_name], [off_out], name=f"{prefix}_OffsetMatMul"),
+                  helper.make_node("Add", [q_out, off_out], [output_name], name=f"{prefix}_Add")]
     return nodes, inits
+
+
+def _with_block_sum_rows(w: NBitsWeight) -> NBitsWeight:
+    """w with its zero points set to the default and k_blocks rows appended whose product with x is x's
+    sum over each block: row b holds (default + 1) on block b and the default elsewhere, scale 1, so every
+    term is an exact 1 * x or 0 * x."""
+    zd = w.default_zero_point
+    codes = np.full((w.k_blocks, w.k_blocks, w.block_size), zd, dtype=np.uint8)
+    codes[np.arange(w.k_blocks), np.arange(w.k_blocks)] = zd + 1
+    rows = _pack4(codes) if w.bits == 4 else codes
+    return NBitsWeight(bits=w.bits, block_size=w.block_size, N=w.N + w.k_blocks, K=w.K,
+                       packed=np.ascontiguousarray(np.concatenate([w.packed, rows])),
+                       scales=np.concatenate([w.scales, np.ones(w.k_blocks * w.k_blocks, np.float32)]),
+                       zero_points=np.full(w.zero_points.size + w.k_blocks * w.k_blocks, zd, np.float32))

@@ -35,7 +35,7 @@ from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions,
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.formats.quants import dequantize
 
-BLOCK_EXPORT_FORMAT = 3   # bump when these graphs change, so old exports are rebuilt
+BLOCK_EXPORT_FORMAT = 4   # bump when these graphs change, so old exports are rebuilt (4: block sums from MatMulNBits rows)
 
 
 MANIFEST = "blocks.manifest.json"

@@ -27,7 +27,7 @@ from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
 from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
 
-EXPORT_FORMAT = 4   # bump when the graphs change, so old exports are rebuilt (4: the top-K walk graph)
+EXPORT_FORMAT = 5   # bump when the graphs change, so old exports are rebuilt (5: block sums from MatMulNBits rows)
 
 
 # MatMulNBits accuracy level of every weight: 4, int8-quantised activations in blocks of the weight's block size,
