@@ -24,7 +24,9 @@ from larql_desktop.engine.model.generation import SamplingSettings, Sampler
 from larql_desktop.tools.loadtest import run_chat_load
 
 TOKEN = "s3cret-token-for-tests-0123456789"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# A question SmolLM2 answers the same way at the walk's default K and in llama.cpp ("...is: 8."); "What is the
+# capital of France?" is a near-tie there (llama.cpp answers "L'Étoile, ...", not Paris).
+QUESTION = [{"role": "user", "content": "How many legs does a spider have?"}]
 
 
 @pytest.fixture
@@ -87,7 +89,7 @@ def test_a_second_clients_greedy_repeat_is_served_from_l2_and_says_the_same(serv
     second = _client(handle, "key-two").chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
                                                                max_tokens=24)
     text = first.choices[0].message.content
-    assert "Paris" in text and second.choices[0].message.content == text
+    assert "8" in text and second.choices[0].message.content == text
     assert first.choices[0].finish_reason in ("stop", "length") and first.object == "chat.completion"
     prompt_tokens = len(smollm2.encode_prompt(QUESTION))
     assert first.usage.prompt_tokens == second.usage.prompt_tokens == prompt_tokens
