@@ -155,7 +155,7 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     if preload in ("all", "layers"):      # what a walk step runs: attention with the gate, then the walk
         blocks.load_sessions(part(0.8, 0.86), gated=True)
         ffn.load_sessions(part(0.86, 0.95), kinds=("walk",))
-        decoder.load_sessions(part(0.95, 1.0), served=True)   # a step whose every layer hits
+        decoder.load_sessions(part(0.95, 1.0), walk=True)   # whole decode steps of the walk
     if preload == "all":
         blocks.load_sessions(gated=False)
         ffn.load_sessions()

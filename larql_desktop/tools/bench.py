@@ -6,8 +6,10 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   dense   the dense FFN (plain inference): every pass is one call of the whole-model decoder graph
   layered the dense FFN layer by layer, through the per-layer graphs the walk uses: the like-for-like
           baseline that separates what the cache gains from what one big graph gains
-  sparse  the walk FFN at the default K with every cache tier off
-  cold    the walk FFN with its caches on, each run on a fresh engine (every decode lookup misses and stores)
+  sparse  the walk FFN at the default K with every cache tier off (each decode step one call of the walked
+          decoder graph)
+  cold    the walk FFN with its caches on, each run on a fresh engine (every decode lookup misses and stores;
+          each step is computed in one call of the walked decoder graph, counted in the JSON's cache.steps_walked)
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
           measured run is a new session on the same engine, so its decode lookups are served by L2; the key
           trace names each step's entries in advance, so each step runs in one call of the served decoder
@@ -150,8 +152,10 @@ def _cache_figures(engine, session) -> dict:
     walk = session.ffn
     return {"lookups": int(snap.lookups), "hits": int(snap.hits),
             "hit_rate": snap.hits / snap.lookups if snap.lookups else None,
-            # decode steps run whole in the served decoder graph, and those where a guessed entry failed
-            "steps_served": getattr(walk, "steps_served", 0), "steps_resumed": getattr(walk, "steps_resumed", 0)}
+            # decode steps run whole in the served decoder graph, those where a guessed entry failed, and those
+            # computed whole in the walked decoder graph
+            "steps_served": getattr(walk, "steps_served", 0), "steps_resumed": getattr(walk, "steps_resumed", 0),
+            "steps_walked": getattr(walk, "steps_walked", 0)}
 
 
 def run_larql_worker(spec: dict) -> dict:
@@ -199,7 +203,7 @@ def run_larql_worker(spec: dict) -> dict:
     result["identical_runs"] = all(t.tokens == timings[0].tokens for t in timings)
     if mode not in ("dense", "layered"):
         result["cache"] = {key: sum(c[key] for c in caches)
-                           for key in ("lookups", "hits", "steps_served", "steps_resumed")}
+                           for key in ("lookups", "hits", "steps_served", "steps_resumed", "steps_walked")}
         lookups = result["cache"]["lookups"]
         result["cache"]["hit_rate"] = result["cache"]["hits"] / lookups if lookups else None
     result["rss_after_load_mb"] = rss_after_load / 2**20 if rss_after_load else None

@@ -39,7 +39,12 @@ def feature_key(feature_ids: np.ndarray) -> int:
 
 def mask_key(selected: np.ndarray) -> int:
     """feature_key(np.flatnonzero(selected)) of a boolean mask (F,), without making the ids."""
-    return _bitset_key(np.packbits(selected, bitorder="little"))
+    return packed_mask_key(np.packbits(selected, bitorder="little"))
+
+
+def packed_mask_key(packed: np.ndarray) -> int:
+    """mask_key of a mask already packed (np.packbits, little-endian bit order): one row of many packed at once."""
+    return _bitset_key(packed)
 
 
 def _strongest_mask(magnitudes: np.ndarray, k: int) -> np.ndarray:

@@ -136,12 +136,12 @@ class CacheStats:
             self._lat_recent[outcome].append(seconds)
             self._recent.append((time.monotonic(), layer, outcome, seconds))
 
-    def record_untimed_hits(self, hits) -> None:
-        """`record(layer, "hit", None, tier_results=...)` for each (layer, tier_results) of `hits`, under one lock
-        (the layers of a step served in one call)."""
+    def record_untimed(self, records) -> None:
+        """`record(layer, outcome, None, tier_results=..., bypass=...)` for each (layer, outcome, tier_results,
+        bypass) of `records`, under one lock (the layers of a decode step run in one call)."""
         with self._lock:
-            for layer, tier_results in hits:
-                self._count(layer, "hit", tier_results, None)
+            for layer, outcome, tier_results, bypass in records:
+                self._count(layer, outcome, tier_results, bypass)
 
     def _count(self, layer: int, outcome: str, tier_results, bypass: str | None) -> None:
         self._calls += 1

@@ -8,6 +8,12 @@ Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate
 single-position calls (decode) consult the cache; prefill, the full-K dense rewrite and layers carrying
 INSERT overrides bypass it, each counted by reason.
 
+A decode step runs in one call of a whole-model graph where it can: the served decoder when the key trace names
+every layer's entry in advance (`plan_step` / `settle_step`), else the walked decoder, which computes the top-K
+walk at every layer and leaves the keys, lookups and stores of the misses to after the call
+(`walk_step_k` / `settle_walked_step`). Both keep only the layers a layer-by-layer walk would have given the
+same output, and the step goes on layer by layer from the first other one.
+
 Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's own code):
   * entries are namespaced by model checksum, K, key width and the graphs' numerics, and only feature sets no
     INSERT override touches are looked up, so a hit never serves an output computed under another model, K,
@@ -28,7 +34,7 @@ from typing import Protocol
 import numpy as np
 
 from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
-                                             select_mask)
+                                             packed_mask_key, select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.trace import KeyTrace
@@ -70,8 +76,9 @@ class WalkSettings:
     # "bypass": the seed's rule, layers with INSERT overrides skip L1 and L2. "per_feature": such a layer
     # still uses the cache when the selected features include no overridden one (ADR open question 3).
     patch_mode: str = "bypass"
-    # Dense passes (dense settings, no INSERT overrides) may run as one call of the whole-model decoder graph;
-    # False keeps them layer by layer, like the walk (the bench's like-for-like baseline for the cache).
+    # Dense passes (dense settings, no INSERT overrides) may run as one call of the whole-model decoder graph,
+    # and a walk's decode steps as one call of the walked decoder graph; False keeps both layer by layer (the
+    # bench's like-for-like baseline for the cache, and what the tests compare the one-call steps with).
     whole_model_graph: bool = True
     # Near-miss explanation (engine/cache/near_miss.py): share of misses explained (0: off), and the guard tau
     # it judges them by when cosine_guard is None.
@@ -146,6 +153,7 @@ class WalkFfn(PassAwareFfn):
         self._last_step_key = None   # the last layer's key of the previous step (or of a prefill's last row)
         self.steps_served = 0        # decode steps planned and served whole in one call
         self.steps_resumed = 0       # planned steps in which a guess failed: computed on from that layer
+        self.steps_walked = 0        # decode steps computed whole in one call of the walked decoder graph
         self.l3 = l3             # an l3.L3Store (persistent tier after L2) or None
         self._l3_tier = PersistentTierView(l3, graphs.config.n_layers) if l3 is not None else None
         # Outcome of the latest call ("hit", "miss", "bypass", "dense"), the tier that hit and the bypass reason:
@@ -458,9 +466,9 @@ class WalkFfn(PassAwareFfn):
             if fills:
                 upper.store_many(fills)
         results = [tuple((t.name, i == found) for i, t in enumerate(tiers[:found + 1])) for found in range(len(tiers))]
-        hits = [(layer, results[step.found_in[layer]]) for layer in layers]
+        hits = [(layer, "hit", results[step.found_in[layer]], None) for layer in layers]
         for st in self.stats:
-            st.record_untimed_hits(hits)
+            st.record_untimed(hits)
         self.last_outcome, self.last_bypass, self.last_tier = "hit", None, tiers[step.found_in[served - 1]].name
         return served
 
@@ -476,6 +484,77 @@ class WalkFfn(PassAwareFfn):
             if not holds[layer]:
                 break              # the step is served up to here: the layers after it do not matter
         return holds
+
+    # -- whole steps of the walk (the walked decoder graph) -------------------------------------------------
+    def walk_step_k(self) -> int | None:
+        """K when a decode step may run whole in the walked decoder graph: the walk, no INSERT override anywhere,
+        and none of the per-layer work a lookup can need before its layer's FFN runs or after a miss (a guard's
+        bucket chosen by the input, hits to verify, near-miss explanations)."""
+        s = self.settings
+        if (not s.whole_model_graph or s.dense or self.full_k or self.patches.overridden_layers
+                or s.cosine_guard is not None or s.verify_fraction or self.near_miss is not None):
+            return None
+        return s.top_k
+
+    def settle_walked_step(self, ran) -> int:
+        """Take the layers of a step the walked decoder computed as this walk's own, from the first. With the cache
+        off, all of them: the per-layer path runs the same top-K walk graph. With tiers, each layer's key is made
+        from its selection and looked up in every tier at once; the layers before the first that a lookup would
+        serve, or whose selection ties at the K-th place (where the walk's own choice is made in Python), are the
+        misses they were: recorded (untimed: one call ran the step), linked in the trace and stored. The model
+        computes on from that layer, whose lookup is its own."""
+        n = self._n_layers
+        tiers = self._lookup_tiers()
+        if not tiers:
+            records = [(layer, "bypass", (), "cache_off") for layer in range(n)]
+            for st in self.stats:
+                st.record_untimed(records)
+            self.last_outcome, self.last_bypass, self.last_tier = "bypass", "cache_off", None
+            self._previous = self._last_step_key = None
+            self.steps_walked += 1
+            return n
+        s = self.settings
+        kept = n if ran.settled.all() else int(np.argmin(ran.settled))
+        if not kept:
+            return 0
+        packed = np.packbits(ran.selections[:kept], axis=1, bitorder="little")
+        if s.key_width >= s.top_k:
+            namespace = self.namespace()
+            keys = [(namespace, packed_mask_key(row)) for row in packed]
+        else:
+            keys = [self._key_of(ran.scores[layer])[0] for layer in range(kept)]
+        for tier in tiers:          # the first layer some tier would serve ends what the step keeps
+            entries = tier.newest_many([(layer, keys[layer]) for layer in range(kept)])
+            found = [layer for layer, entry in enumerate(entries) if entry is not None]
+            if found:
+                admitted = self._hit_rule.admits(ran.inputs[found], np.stack([entries[i].residual for i in found]))
+                if admitted.any():
+                    kept = found[int(np.argmax(admitted))]
+                    if not kept:
+                        return 0
+        layers = range(kept)
+        # An overflowed output is kept as computed but never stored: a cache holds only what a later hit may serve.
+        finite = np.isfinite(ran.outputs[:kept]).all(axis=1)
+        stored = [(layer, keys[layer], CacheEntry(_frozen(ran.outputs[layer]), _frozen(ran.inputs[layer])))
+                  for layer in layers if finite[layer]]
+        for tier in tiers:
+            tier.store_many(stored)
+        if self.trace is not None:
+            links = [] if self._step_start is None else [(self._step_start, (keys[0], packed[0]))]
+            self.trace.link_many(links + [((layer - 1, keys[layer - 1]), (keys[layer], packed[layer]))
+                                          for layer in range(1, kept)])
+        self._step_start = None
+        self._previous = (kept - 1, keys[kept - 1])
+        if kept == n:
+            self._last_step_key = keys[-1]
+            self.steps_walked += 1
+        if self.key_log is not None:
+            self.key_log.extend((layer, keys[layer]) for layer in layers)
+        misses = tuple((tier.name, False) for tier in tiers)
+        for st in self.stats:
+            st.record_untimed([(layer, "miss", misses, None) for layer in layers])
+        self.last_outcome, self.last_bypass, self.last_tier = "miss", None, None
+        return kept
 
     def _verify(self, layer, x, scores, mask, entry: CacheEntry) -> None:
         """Fidelity: the hit against a fresh computation at this input. Staleness: the entry against a fresh

@@ -15,6 +15,13 @@ The served decoder is the same composition for a decode step whose every FFN out
 walk's cache hits, guessed from the key trace (cache/trace.py) before the step runs. It computes attention and
 the gate scores of every layer with the given FFN outputs in between, and hands back each layer's FFN input
 and scores, from which the walk checks that every guessed entry is the one a lookup would have served.
+
+The walked decoder is the same composition for a decode step of the walk FFN whose entries are not known in
+advance (the cache off, or a cold cache): every layer runs the top-K walk graph (selection inside it), and the
+step hands back each layer's FFN input, scores, selection and output, from which the walk makes the keys, looks
+them up and stores the misses after the call (cache/walk.py `settle_walked_step`). Layer by layer such a step
+is 61 calls (attention with the gate, then the walk, per layer, and the head) with Python between them: on
+SmolLM2 the cache-off walk decoded at 72 tok/s that way and at 95 in one call (`bench`, 2 threads).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.graphs.blocks import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_graph
 from larql_desktop.engine.model.config import ModelConfig
-from larql_desktop.engine.graphs.ffn import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph
+from larql_desktop.engine.graphs.ffn import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 
@@ -38,6 +45,7 @@ DECODER_EXPORT_FORMAT = f"decoder1-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FO
 MANIFEST = "decoder.manifest.json"
 FILE = "decoder.onnx"
 SERVED_FILE = "decoder.served.onnx"
+WALKED_FILE = "decoder.walked.onnx"
 FLOAT = TensorProto.FLOAT
 
 
@@ -164,6 +172,47 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     return make_model(nodes, inits, inputs, outputs, "served_decoder")
 
 
+def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """One decode step (T = 1) of the walk FFN at every layer: each layer's top-K walk graph (gate, selection,
+    mask, up and down; K is the input "k") in place of the dense FFN. Outputs besides the logits and the KV
+    rows, one row per layer: "inputs" (n, d) the normed FFN inputs, "scores" (n, F) their gate scores,
+    "selections" (n, F) bool the features each layer summed, "outputs" (n, d) the FFN outputs, "residuals"
+    (n, d) the residuals after attention, and "settled" (n,) whether the selection is the only top K of the
+    scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set).
+    Composed from the layer graphs, the top-K walk graphs and the head graph the per-layer path runs."""
+    n = cfg.n_layers
+    nodes, inits = [], []
+    for i in range(n):
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=False)
+        nodes += more_nodes
+        inits += more_inits
+        ffn_edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.ffn_out", "k": "k"}
+        more_nodes, more_inits = _renamed(build_walk_top_k_graph(gguf, cfg, i).graph,
+                                          lambda name, i=i, edges=ffn_edges: edges.get(name, f"l{i}.ffn.{name}"))
+        nodes += more_nodes
+        inits += more_inits
+    for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
+                       ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
+    nodes += _selection_check_nodes(inits)
+    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
+    nodes += more_nodes
+    inits += more_inits
+    cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
+    inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("k", TensorProto.INT64, [1])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size]),
+               helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("scores", FLOAT, [n, cfg.intermediate]),
+               helper.make_tensor_value_info("selections", TensorProto.BOOL, [n, cfg.intermediate]),
+               helper.make_tensor_value_info("outputs", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("settled", TensorProto.BOOL, [n])] + cache_outputs
+    return make_model(nodes, inits, inputs, outputs, "walked_decoder")
+
+
 def _selection_check_nodes(inits: list) -> list:
     """"settled" (n,): per layer, whether the guessed selection ("selections", (n, F) bool) is exactly the top
     |selection| features of the layer's scores by magnitude with no tie at the boundary (its weakest selected
@@ -201,9 +250,24 @@ class ServedPass:
     settled: np.ndarray     # (n,) bool: the guessed selection is the scores' top K, no tie at the K-th place
 
 
+@dataclass(frozen=True)
+class WalkedPass:
+    """What one call of the walked decoder graph computed: the logits (1, vocab), and per layer (rows) the
+    normed FFN inputs (n, d), their gate scores (n, F), the features summed (n, F) bool, the FFN outputs (n, d)
+    and the residuals after attention (n, d); and whether each selection is the scores' only top K."""
+    logits: np.ndarray
+    inputs: np.ndarray
+    scores: np.ndarray
+    selections: np.ndarray
+    outputs: np.ndarray
+    residuals: np.ndarray
+    settled: np.ndarray
+
+
 class OnnxDecoder:
     """The whole-model graphs of one model, checked/exported at load, their sessions made on first use: the
-    dense decoder (every layer's dense FFN computed) and the served decoder (every layer's FFN output given)."""
+    dense decoder (every layer's dense FFN computed), the served decoder (every layer's FFN output given) and
+    the walked decoder (every layer's top-K walk computed)."""
 
     def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path,
                  threads: int = 2, progress: Progress | None = None):
@@ -215,27 +279,33 @@ class OnnxDecoder:
         build = partial(build_decoder_graph, gguf, config)
         store.ensure(FILE, build, "Exporting the whole-model decoder graph to ONNX", optimized=True)
         build_served = partial(build_served_decoder_graph, gguf, config)
-        store.ensure(SERVED_FILE, build_served, "Exporting the served decoder graph to ONNX", 0.5, optimized=True)
+        store.ensure(SERVED_FILE, build_served, "Exporting the served decoder graph to ONNX", 0.4, optimized=True)
+        build_walked = partial(build_walked_decoder_graph, gguf, config)
+        store.ensure(WALKED_FILE, build_walked, "Exporting the walked decoder graph to ONNX", 0.7, optimized=True)
         store.save()
         # One session doing all the work: its threads should spin between the ~800 kernels of a step rather
         # than sleep and be woken for each (77 vs 55 tok/s on SmolLM2 with a pool of its own).
         opts = partial(session_options, threads, spinning=True)
         self._sessions = LazySessions(store, [(FILE, build)], opts, optimized=True)
         self._served = LazySessions(store, [(SERVED_FILE, build_served)], opts, optimized=True)
+        self._walked = LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True)
         self._local = threading.local()
         self._zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
 
-    def load_sessions(self, progress: Progress | None = None, served: bool = False) -> None:
-        """Create the dense decoder's session now, or with `served` the served decoder's (what a walk runs)."""
-        if served:
+    def load_sessions(self, progress: Progress | None = None, walk: bool = False) -> None:
+        """Create the dense decoder's session now, or with `walk` the served and walked decoders' (what a walk
+        runs)."""
+        if walk:
             self._served.load_all(progress, "Loading the served decoder graph")
+            self._walked.load_all(progress, "Loading the walked decoder graph")
         else:
             self._sessions.load_all(progress, "Loading the decoder graph")
 
     def _bindings(self) -> "_ThreadBindings":
         state = getattr(self._local, "state", None)
         if state is None:     # per thread: bindings are not thread-safe, sessions are
-            state = self._local.state = _ThreadBindings(self._sessions, self._served, self.config)
+            state = self._local.state = _ThreadBindings(
+                {"dense": self._sessions, "served": self._served, "walked": self._walked}, self.config)
         return state
 
     def _bind_step(self, b: "_DecoderBinding", h: np.ndarray, start: int, kv, rope) -> None:
@@ -279,12 +349,32 @@ class OnnxDecoder:
         b.binding.run()
         return out
 
+    def run_walked(self, h: np.ndarray, start: int, kv, rope, k: int) -> WalkedPass:
+        """One decode step, h (1, d) at position `start`, with the top-`k` walk FFN at every layer. Writes row
+        `start` of every layer's keys/values in place."""
+        b = self._bindings().walked
+        self._bind_step(b, h, start, kv, rope)
+        b.k[0] = k
+        cfg = self.config
+        n = cfg.n_layers
+        arrays = {"logits": np.empty((1, cfg.vocab_size), np.float32),
+                  "inputs": np.empty((n, cfg.hidden), np.float32),
+                  "scores": np.empty((n, cfg.intermediate), np.float32),
+                  "selections": np.empty((n, cfg.intermediate), bool),
+                  "outputs": np.empty((n, cfg.hidden), np.float32),
+                  "residuals": np.empty((n, cfg.hidden), np.float32),
+                  "settled": np.empty(n, bool)}
+        for name, array in arrays.items():
+            b.binding.bind_output(name, array)
+        b.binding.run()
+        return WalkedPass(**arrays)
+
 
 class _ThreadBindings:
-    """One thread's bindings of the two decoder sessions, each made on its first use."""
+    """One thread's bindings of the decoder sessions, each made on its first use."""
 
-    def __init__(self, dense: LazySessions, served: LazySessions, config: ModelConfig):
-        self._sessions = {"dense": dense, "served": served}
+    def __init__(self, sessions: dict[str, LazySessions], config: ModelConfig):
+        self._sessions = sessions
         self._config = config
         self._made: dict[str, _DecoderBinding] = {}
 
@@ -302,6 +392,14 @@ class _ThreadBindings:
     def served(self) -> "_DecoderBinding":
         return self._get("served")
 
+    @property
+    def walked(self) -> "_DecoderBinding":
+        b = self._get("walked")
+        if b.k is None:                          # bound once: run_walked updates it in place
+            b.k = np.zeros(1, np.int64)
+            b.binding.bind_input("k", b.k)
+        return b
+
 
 class _DecoderBinding:
     def __init__(self, binding: Binding, config: ModelConfig):
@@ -311,6 +409,7 @@ class _DecoderBinding:
         self.total = np.zeros((), np.int32)
         binding.bind_input("seqlens_k", self.seqlens)
         binding.bind_input("total_len", self.total)
+        self.k: np.ndarray | None = None         # the walked decoder's K
         self._cache_arrays: list = []
 
     def bind_cache(self, kv) -> None:

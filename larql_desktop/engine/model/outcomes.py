@@ -51,9 +51,9 @@ class OutcomeRecorder:
         tier = tier_results[-1][0] if outcome == "hit" and tier_results else None
         self._layers[int(layer)] = LayerOutcome(int(layer), outcome, tier, bypass)
 
-    def record_untimed_hits(self, hits) -> None:
-        for layer, tier_results in hits:
-            self.record(layer, "hit", None, tier_results=tier_results)
+    def record_untimed(self, records) -> None:
+        for layer, outcome, tier_results, bypass in records:
+            self.record(layer, outcome, None, tier_results=tier_results, bypass=bypass)
 
     def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None:
         pass   # fidelity checks are not per-token outcomes

@@ -78,6 +78,17 @@ class PassAwareFfn(ABC):
         would have computed for them: the model redoes the rest from that layer's FFN on."""
         return 0
 
+    def walk_step_k(self) -> int | None:
+        """Asked after `plan_step` gave None: K when the model may run the decode step in its walked decoder graph
+        (the top-K walk at every layer, all in one call) and hand what it computed (a decoder.WalkedPass) to
+        `settle_walked_step`; None keeps the step layer by layer."""
+        return None
+
+    def settle_walked_step(self, ran) -> int:
+        """The step ran the top-K walk at every layer; returns how many layers, from the first, computed what this
+        FFN gives them (the rest are redone from that layer's FFN on)."""
+        return 0
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     # (T, d) or (..., d)
@@ -299,6 +310,9 @@ class TransformerModel:
             step = ffn.plan_step(int(ids[0]))
             if step is not None:
                 return self._forward_served(h, start, kv, ffn, step)
+            k = ffn.walk_step_k()
+            if k is not None:
+                return self._forward_walked(h, start, kv, ffn, k)
         if self.graphs is not None:
             return self._forward_graphs(h, start, kv, ffn, all_logits, record)
         return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
@@ -307,13 +321,23 @@ class TransformerModel:
         """A decode step in one call of the served decoder graph, with the FFN's planned outputs; from the first
         layer whose output turns out not to apply, the step goes on layer by layer."""
         ran = self.decoder.run_served(h, start, kv, self.rope, step.outputs, step.selections)
-        served = ffn.settle_step(step, ran)
-        if served == self.config.n_layers:
+        return self._settled_step(ran, ffn.settle_step(step, ran), start, kv, ffn)
+
+    def _forward_walked(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, k: int) -> np.ndarray:
+        """A decode step in one call of the walked decoder graph (the top-k walk at every layer); from the first
+        layer the FFN would not have computed so (a cache hit, a tie at the K-th place), layer by layer."""
+        ran = self.decoder.run_walked(h, start, kv, self.rope, k)
+        return self._settled_step(ran, ffn.settle_walked_step(ran), start, kv, ffn)
+
+    def _settled_step(self, ran, kept: int, start: int, kv: KvCache, ffn: PassAwareFfn) -> np.ndarray:
+        """The logits of a decode step run in one decoder call, of which the FFN kept the first `kept` layers'
+        outputs as its own."""
+        if kept == self.config.n_layers:
             kv.length = start + 1
             return ran.logits
-        # Layers before `served` were given what the FFN computes for them, so layer `served`'s attention, input
-        # and scores stand; its FFN runs now, and the layers after it run again (rewriting their KV rows).
-        i = served
+        # Layers before `kept` had what the FFN gives them, so layer `kept`'s attention, input and scores stand;
+        # its FFN runs now, and the layers after it run again (rewriting their KV rows).
+        i = kept
         f = np.ascontiguousarray(ffn.call_with_scores(i, ran.inputs[i:i + 1], ran.scores[i:i + 1]), dtype=np.float32)
         return self._forward_graphs(ran.residuals[i:i + 1], start, kv, ffn, False, first=i + 1, f=f)
 
