@@ -147,6 +147,30 @@ def test_fp16_halves_the_bytes_with_bounded_error_and_keeps_big_values_exact(ope
     assert np.array_equal(store.get(0, NS, 2).output, huge.output)
 
 
+def test_a_batch_of_puts_stores_what_each_put_would(open_store):
+    """put_many (a decode step's misses, converted together) against put one by one, fp16 and fp32 alike: the
+    same values come back, an entry beyond fp16's range stays fp32, a non-finite one is not written."""
+    for dtype in DTYPES:
+        one, many = open_store(L3Settings(dtype=dtype)), open_store(L3Settings(dtype=dtype))
+        entries = [_entry(20 + i, d=576) for i in range(5)] + [_entry(30, d=576, scale=FP16_MAX)]
+        broken = _entry(31, d=576)
+        broken.output[3] = np.nan
+        entries.append(broken)
+        ns = NS[:3] + (dtype,)
+        for layer, entry in enumerate(entries):
+            one.put(layer, ns + ("one",), 7, entry)
+        many.put_many([(layer, ns + ("many",), 7, entry) for layer, entry in enumerate(entries)])
+        one.flush(10)
+        many.flush(10)
+        for layer in range(len(entries) - 1):
+            a, b = one.get(layer, ns + ("one",), 7), many.get(layer, ns + ("many",), 7)
+            assert a is not None and b is not None
+            assert np.array_equal(a.output, b.output) and np.array_equal(a.residual, b.residual)
+            assert not b.output.flags.writeable
+        assert many.get(len(entries) - 1, ns + ("many",), 7) is None
+        assert np.array_equal(many.get(5, ns + ("many",), 7).output, entries[5].output)   # kept fp32, exact
+
+
 def test_size_cap_evicts_least_recently_used(open_store):
     blob = len(encode_entry(_entry(0), "float32"))          # 8 + 2 * 64 * 4 bytes
     store = open_store(L3Settings(max_bytes=4096))

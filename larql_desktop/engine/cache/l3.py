@@ -116,18 +116,32 @@ def _dtype_code(entry: CacheEntry, dtype: str) -> int:
     return int(fits)
 
 
-def stored_form(entry: CacheEntry, dtype: str) -> tuple[CacheEntry, int]:
+def stored_form(entry: CacheEntry, dtype: str) -> tuple[CacheEntry, int] | None:
     """The entry as the store will give it back, and the bytes encode_entry will make of it: read-only float32
     arrays, rounded through fp16 where encode_entry stores fp16, without the near-miss bits. SQLite queues this
     form (the writer encodes it, off the caller's thread) and serves it from the queue meanwhile, so a value read
-    before and after its write is the same, and a caller that changes its arrays later changes nothing here."""
-    out, res = entry.output, entry.residual
-    code = _dtype_code(entry, dtype)
-    if code:
-        out, res = out.astype(np.float16), res.astype(np.float16)
-    if out.flags.writeable or res.flags.writeable or out.dtype != np.float32 or res.dtype != np.float32:
-        out, res = _frozen(out), _frozen(res)
-    return CacheEntry(out, res), _PREFIX + (out.size + res.size) * (2 if code else 4)
+    before and after its write is the same, and a caller that changes its arrays later changes nothing here.
+    None for an entry holding a non-finite value (never written: see L3Store.put)."""
+    return stored_forms([entry], dtype)[0]
+
+
+def stored_forms(entries, dtype: str) -> list[tuple[CacheEntry, int] | None]:
+    """`stored_form` of each entry, converted together: a decode step's misses in one fp16 pass, not one each."""
+    outs = np.stack([e.output for e in entries]).astype(np.float32, copy=False)
+    res = np.stack([e.residual for e in entries]).astype(np.float32, copy=False)
+    finite = np.isfinite(outs).all(axis=1) & np.isfinite(res).all(axis=1)
+    fits = np.zeros(len(entries), bool)
+    if dtype == "float16":     # as _dtype_code decides it, row by row (a NaN never fits, nor is it written)
+        fits = (np.abs(outs).max(axis=1, initial=0) < FP16_MAX) & (np.abs(res).max(axis=1, initial=0) < FP16_MAX)
+    if fits.any():
+        with np.errstate(over="ignore"):      # the rows that do not fit keep their float32 values
+            outs = np.where(fits[:, None], outs.astype(np.float16).astype(np.float32), outs)
+            res = np.where(fits[:, None], res.astype(np.float16).astype(np.float32), res)
+    outs.flags.writeable = False
+    res.flags.writeable = False
+    width = 2 * outs.shape[1]
+    return [(CacheEntry(outs[i], res[i]), _PREFIX + width * (2 if fits[i] else 4)) if finite[i] else None
+            for i in range(len(entries))]
 
 
 def decode_entry(blob: bytes, address: bytes = b"") -> CacheEntry | None:
@@ -234,10 +248,24 @@ class L3Store:
     def put(self, layer: int, namespace: tuple, key: int, entry: CacheEntry) -> bool:
         if not self._available():
             return False
-        if not (np.isfinite(entry.output).all() and np.isfinite(entry.residual).all()):
+        form = stored_form(entry, self.settings.dtype)
+        if form is None:
             return False          # a hit may serve only what a computation could have returned
-        ns, key = namespace_id(namespace), _signed(key)
-        return self._put(layer, ns, key, *stored_form(entry, self.settings.dtype))
+        return self._put(layer, namespace_id(namespace), _signed(key), *form)
+
+    def put_many(self, items) -> None:
+        """`put(layer, namespace, key, entry)` for each (layer, namespace, key, entry) of `items` (a decode step's
+        misses): their stored forms made together, and a queueing store takes them under one lock."""
+        if not items or not self._available():
+            return
+        forms = stored_forms([entry for *_, entry in items], self.settings.dtype)
+        self._put_many([(layer, namespace_id(namespace), _signed(key), *form)
+                        for (layer, namespace, key, _), form in zip(items, forms) if form is not None])
+
+    def _put_many(self, items) -> None:
+        """`_put` for each (layer, ns, key, entry, nbytes); a store with a queue takes them under one lock."""
+        for item in items:
+            self._put(*item)
 
     def _encode(self, layer: int, ns: int, key: int, entry: CacheEntry) -> bytes:
         return encode_entry(entry, self.settings.dtype, value_address(ns, layer, key))
@@ -573,25 +601,35 @@ class SqliteL3(L3Store):
 
     # -- the write-behind queue --------------------------------------------------------------------------
     def _put(self, layer, ns, key, entry, nbytes):
-        address = (ns, layer, key)
+        return self._queue([(layer, ns, key, entry, nbytes)]) == 1
+
+    def _put_many(self, items):
+        self._queue(items)
+
+    def _queue(self, items) -> int:
+        """Queue each (layer, ns, key, entry, nbytes) for the writer, under one lock; returns how many it took."""
+        taken = dropped = 0
         with self._queued:
             if self._closing.is_set():
-                return False
-            if address not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
-                self.dropped_writes += 1
-                full = True
-            else:
+                return 0
+            for layer, ns, key, entry, nbytes in items:
+                address = (ns, layer, key)
+                if address not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
+                    dropped += 1
+                    continue
                 self._pending[address] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
-                self._last_activity = time.monotonic()
-                full = False
+                taken += 1
                 # Only the first value of a burst and a high queue wake the writer: a wake-up per value
                 # would hand the GIL to it 30 times a token.
                 if len(self._pending) == 1 or len(self._pending) == self._high_water():
                     self._wake_writer()
-        if full:
+            if taken:
+                self._last_activity = time.monotonic()
+            self.dropped_writes += dropped
+        if dropped:
             self._report("queue full", RuntimeError(f"{self.QUEUE_LIMIT} values wait to be written"),
                          "further writes are dropped until the writer catches up")
-        return not full
+        return taken
 
     def _wake_writer(self) -> None:
         """Called with _queued held: start the writer thread on first use, wake it otherwise."""

@@ -286,8 +286,7 @@ class PersistentTierView:
         return self._store.put(layer, key[0], key[1], entry)
 
     def store_many(self, items, bucket_size: int = 1) -> None:
-        for layer, key, entry in items:
-            self.store(layer, key, entry, bucket_size)
+        self._store.put_many([(layer, key[0], key[1], entry) for layer, key, entry in items])
 
     def newest_many(self, wanted) -> list[CacheEntry | None]:
         return [self.lookup(layer, key, None, None) for layer, key in wanted]
