@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.graphs.ffn import OnnxFfn
-from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.model.generation import SamplingSettings, top_alternatives
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn
 from larql_desktop.tools.verify_reference import check_model
 from larql_desktop.engine.loading import load_model
@@ -153,3 +153,22 @@ def test_engine_never_imports_qt():
             " print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("vocab", [3, 5, 7, 2561, 49152, 262144, 262145])
+def test_top_alternatives_are_the_largest_logits_in_order_ties_to_the_lower_id(vocab):
+    """The top tokens come from block maxima (not a partition of the whole vocabulary): the same ids and order as
+    a stable sort of every logit, ties included, and probabilities that are the softmax's."""
+    rng = np.random.default_rng(vocab)
+    for trial in range(12):
+        z = (rng.standard_normal(vocab) * 5).astype(np.float32)
+        if trial % 3 == 0:
+            z = np.round(z)                       # many ties, some at the fifth place
+        if trial == 4:
+            z[:] = 1.5                            # every logit tied
+        alternatives = top_alternatives(z, str)
+        expected = np.argsort(-z, kind="stable")[:5]
+        assert [a.token_id for a in alternatives] == expected.tolist()
+        p = np.exp(z.astype(np.float64) - z.max())
+        p /= p.sum()
+        assert np.allclose([a.probability for a in alternatives], p[expected], rtol=1e-5)

@@ -139,12 +139,33 @@ def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: in
     """The n most likely tokens with their softmax probabilities. Runs every step, so it avoids a full float64
     softmax: the top n come from the logits, the normaliser from one float32 exp pass summed in float64."""
     z = np.asarray(logits, dtype=np.float32)
-    top = np.argpartition(-z, n - 1)[:n] if z.size > n else np.arange(z.size)
-    top = top[np.argsort(-z[top], kind="stable")]
+    top = _top_ids(z, n)
     peak = float(z[top[0]])
     total = float(np.exp(z - peak).sum(dtype=np.float64))
     return tuple(Alternative(int(i), token_text(int(i)), float(np.exp(np.float64(z[i]) - peak) / total))
                  for i in top)
+
+
+TOP_BLOCK = 512             # logits per block when looking for the top few (see _top_ids)
+
+
+def _top_ids(z: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest of z (finite, 1-D), largest first, a tie to the lower id, without partitioning the
+    whole vocabulary (0.66 ms for Gemma's 262,144 logits, 5% of a decode step): the n-th largest block maximum
+    is a floor that at least n values reach (the n block maxima at or above it), so the n largest are among
+    the few values at or above it."""
+    if z.size <= n:
+        return np.argsort(-z, kind="stable")
+    blocks = -(-z.size // TOP_BLOCK)
+    if blocks <= n:
+        floor = np.partition(z, z.size - n)[z.size - n]
+    else:
+        padded = np.full(blocks * TOP_BLOCK, -np.inf, np.float32)
+        padded[:z.size] = z
+        maxima = padded.reshape(blocks, TOP_BLOCK).max(axis=1)
+        floor = np.partition(maxima, blocks - n)[blocks - n]
+    candidates = np.flatnonzero(z >= floor)
+    return candidates[np.argsort(-z[candidates], kind="stable")[:n]]
 
 
 class Sampler:
