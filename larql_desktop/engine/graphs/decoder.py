@@ -22,6 +22,10 @@ step hands back each layer's FFN input, scores, selection and output, from which
 them up and stores the misses after the call (cache/walk.py `settle_walked_step`). Layer by layer such a step
 is 61 calls (attention with the gate, then the walk, per layer, and the head) with Python between them: on
 SmolLM2 the cache-off walk decoded at 72 tok/s that way and at 95 in one call (`bench`, 2 threads).
+
+Neither the served nor the walked decoder holds the output head: the model runs the per-layer path's head graph
+after them (one more call, a few tens of microseconds), so a walk keeps one copy of the head in memory where it
+kept three (Gemma 3's tied head is 170 MB of Q8_0).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 
 # The decoder is rebuilt whenever the graphs it is made of change.
-DECODER_EXPORT_FORMAT = f"decoder1-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"
+DECODER_EXPORT_FORMAT = f"decoder2-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"   # 2: no head in served/walked
 MANIFEST = "decoder.manifest.json"
 FILE = "decoder.onnx"
 SERVED_FILE = "decoder.served.onnx"
@@ -141,11 +145,11 @@ def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
 def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     """One decode step (T = 1) with every layer's FFN output given rather than computed: the walk FFN's cache
     hits for a whole token in one call. Input "served" (n_layers, d): row i is layer i's FFN output (a cached
-    entry). Outputs besides the logits and the KV rows, one row per layer: "inputs" (n, d) the normed FFN inputs
+    entry). Outputs besides the KV rows, one row per layer: "inputs" (n, d) the normed FFN inputs
     and "scores" (n, F) their gate scores (what the walk checks each served entry against: its key and its hit
     rule), "residuals" (n, d) the residuals after each layer's attention (where a pass resumes when a served
-    entry turns out not to apply). Composed from the gated layer graphs and the head graph, so every tensor is
-    computed by the same nodes as in the per-layer path."""
+    entry turns out not to apply). Composed from the gated layer graphs, so every tensor is computed by the same
+    nodes as in the per-layer path; the head graph runs after it."""
     n = cfg.n_layers
     nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n)]
     inits = []
@@ -156,16 +160,12 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
     nodes += _selection_check_nodes(inits)
-    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"served{n - 1}")
-    nodes += more_nodes
-    inits += more_inits
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("served", FLOAT, [n, cfg.hidden]),
               helper.make_tensor_value_info("selections", TensorProto.BOOL, [n, cfg.intermediate])] + cache_inputs
-    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size]),
-               helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
+    outputs = [helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
                helper.make_tensor_value_info("scores", FLOAT, [n, cfg.intermediate]),
                helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden]),
                helper.make_tensor_value_info("settled", TensorProto.BOOL, [n])] + cache_outputs
@@ -174,12 +174,12 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
 
 def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     """One decode step (T = 1) of the walk FFN at every layer: each layer's top-K walk graph (gate, selection,
-    mask, up and down; K is the input "k") in place of the dense FFN. Outputs besides the logits and the KV
-    rows, one row per layer: "inputs" (n, d) the normed FFN inputs, "scores" (n, F) their gate scores,
+    mask, up and down; K is the input "k") in place of the dense FFN. Outputs besides the KV rows, one row per
+    layer: "inputs" (n, d) the normed FFN inputs, "scores" (n, F) their gate scores,
     "selections" (n, F) bool the features each layer summed, "outputs" (n, d) the FFN outputs, "residuals"
     (n, d) the residuals after attention, and "settled" (n,) whether the selection is the only top K of the
     scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set).
-    Composed from the layer graphs, the top-K walk graphs and the head graph the per-layer path runs."""
+    Composed from the layer graphs and the top-K walk graphs the per-layer path runs; the head graph runs after."""
     n = cfg.n_layers
     nodes, inits = [], []
     for i in range(n):
@@ -196,15 +196,11 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
     nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
     nodes += _selection_check_nodes(inits)
-    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
-    nodes += more_nodes
-    inits += more_inits
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("k", TensorProto.INT64, [1])] + cache_inputs
-    outputs = [helper.make_tensor_value_info("logits", FLOAT, [1, cfg.vocab_size]),
-               helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
+    outputs = [helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
                helper.make_tensor_value_info("scores", FLOAT, [n, cfg.intermediate]),
                helper.make_tensor_value_info("selections", TensorProto.BOOL, [n, cfg.intermediate]),
                helper.make_tensor_value_info("outputs", FLOAT, [n, cfg.hidden]),
@@ -240,10 +236,9 @@ def _selection_check_nodes(inits: list) -> list:
 
 @dataclass(frozen=True)
 class ServedPass:
-    """What one call of the served decoder graph computed: the logits (1, vocab), and per layer (rows) the
-    normed FFN inputs (n, d), their gate scores (n, F), the residuals after attention (n, d) and whether the
-    guessed selection is the scores' own."""
-    logits: np.ndarray
+    """What one call of the served decoder graph computed, per layer (rows): the normed FFN inputs (n, d), their
+    gate scores (n, F), the residuals after attention (n, d) and whether the guessed selection is the scores'
+    own. (The logits are the head graph's of the last residual and FFN output.)"""
     inputs: np.ndarray
     scores: np.ndarray
     residuals: np.ndarray
@@ -252,10 +247,9 @@ class ServedPass:
 
 @dataclass(frozen=True)
 class WalkedPass:
-    """What one call of the walked decoder graph computed: the logits (1, vocab), and per layer (rows) the
-    normed FFN inputs (n, d), their gate scores (n, F), the features summed (n, F) bool, the FFN outputs (n, d)
-    and the residuals after attention (n, d); and whether each selection is the scores' only top K."""
-    logits: np.ndarray
+    """What one call of the walked decoder graph computed, per layer (rows): the normed FFN inputs (n, d), their
+    gate scores (n, F), the features summed (n, F) bool, the FFN outputs (n, d), the residuals after attention
+    (n, d) and whether each selection is the scores' only top K. (The logits: as for ServedPass.)"""
     inputs: np.ndarray
     scores: np.ndarray
     selections: np.ndarray
@@ -339,12 +333,11 @@ class OnnxDecoder:
         self._bind_step(b, h, start, kv, rope)
         cfg = self.config
         n = cfg.n_layers
-        out = ServedPass(np.empty((1, cfg.vocab_size), np.float32), np.empty((n, cfg.hidden), np.float32),
-                         np.empty((n, cfg.intermediate), np.float32), np.empty((n, cfg.hidden), np.float32),
-                         np.empty(n, bool))
+        out = ServedPass(np.empty((n, cfg.hidden), np.float32), np.empty((n, cfg.intermediate), np.float32),
+                         np.empty((n, cfg.hidden), np.float32), np.empty(n, bool))
         b.binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
         b.binding.bind_input("selections", np.ascontiguousarray(selections, dtype=bool))
-        for name in ("logits", "inputs", "scores", "residuals", "settled"):
+        for name in ("inputs", "scores", "residuals", "settled"):
             b.binding.bind_output(name, getattr(out, name))
         b.binding.run()
         return out
@@ -357,8 +350,7 @@ class OnnxDecoder:
         b.k[0] = k
         cfg = self.config
         n = cfg.n_layers
-        arrays = {"logits": np.empty((1, cfg.vocab_size), np.float32),
-                  "inputs": np.empty((n, cfg.hidden), np.float32),
+        arrays = {"inputs": np.empty((n, cfg.hidden), np.float32),
                   "scores": np.empty((n, cfg.intermediate), np.float32),
                   "selections": np.empty((n, cfg.intermediate), bool),
                   "outputs": np.empty((n, cfg.hidden), np.float32),

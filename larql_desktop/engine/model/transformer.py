@@ -321,20 +321,21 @@ class TransformerModel:
         """A decode step in one call of the served decoder graph, with the FFN's planned outputs; from the first
         layer whose output turns out not to apply, the step goes on layer by layer."""
         ran = self.decoder.run_served(h, start, kv, self.rope, step.outputs, step.selections)
-        return self._settled_step(ran, ffn.settle_step(step, ran), start, kv, ffn)
+        return self._settled_step(ran, ffn.settle_step(step, ran), step.outputs[-1:], start, kv, ffn)
 
     def _forward_walked(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, k: int) -> np.ndarray:
         """A decode step in one call of the walked decoder graph (the top-k walk at every layer); from the first
         layer the FFN would not have computed so (a cache hit, a tie at the K-th place), layer by layer."""
         ran = self.decoder.run_walked(h, start, kv, self.rope, k)
-        return self._settled_step(ran, ffn.settle_walked_step(ran), start, kv, ffn)
+        return self._settled_step(ran, ffn.settle_walked_step(ran), ran.outputs[-1:], start, kv, ffn)
 
-    def _settled_step(self, ran, kept: int, start: int, kv: KvCache, ffn: PassAwareFfn) -> np.ndarray:
+    def _settled_step(self, ran, kept: int, last_output: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn
+                      ) -> np.ndarray:
         """The logits of a decode step run in one decoder call, of which the FFN kept the first `kept` layers'
-        outputs as its own."""
+        outputs as its own (`last_output` (1, d): the last layer's, what the head reads beside its residual)."""
         if kept == self.config.n_layers:
             kv.length = start + 1
-            return ran.logits
+            return self.graphs.run_head(ran.residuals[-1:], last_output)
         # Layers before `kept` had what the FFN gives them, so layer `kept`'s attention, input and scores stand;
         # its FFN runs now, and the layers after it run again (rewriting their KV rows).
         i = kept
