@@ -114,18 +114,26 @@ def _cache_and_rope_io(cfg: ModelConfig) -> tuple[list, list]:
     return inputs, outputs
 
 
-def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
-    n = cfg.n_layers
+def _layers_with_ffn(gguf: GgufFile, cfg: ModelConfig, build_ffn, shared: tuple[str, ...] = ()) -> tuple[list, list]:
+    """Every layer's graph (not gated) followed by its FFN graph `build_ffn(gguf, cfg, layer)`, each FFN tensor
+    renamed into "l{i}.ffn." and wired from the layer's "x_ffn" to its "ffn_out", which the next layer reads;
+    the FFN inputs named in `shared` keep their names (one input of the whole graph)."""
     nodes, inits = [], []
-    for i in range(n):
+    for i in range(cfg.n_layers):
         more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=False)
         nodes += more_nodes
         inits += more_inits
-        ffn_edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.ffn_out"}
-        more_nodes, more_inits = _renamed(build_dense_graph(gguf, cfg, i).graph,
+        ffn_edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.ffn_out", **{name: name for name in shared}}
+        more_nodes, more_inits = _renamed(build_ffn(gguf, cfg, i).graph,
                                           lambda name, i=i, edges=ffn_edges: edges.get(name, f"l{i}.ffn.{name}"))
         nodes += more_nodes
         inits += more_inits
+    return nodes, inits
+
+
+def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    n = cfg.n_layers
+    nodes, inits = _layers_with_ffn(gguf, cfg, build_dense_graph)
     # The head reads the last position only: a prefill needs no logits for the others.
     inits += [numpy_helper.from_array(np.array([-1], np.int64), "last_start"),
               numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "last_end"),
@@ -181,16 +189,7 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set).
     Composed from the layer graphs and the top-K walk graphs the per-layer path runs; the head graph runs after."""
     n = cfg.n_layers
-    nodes, inits = [], []
-    for i in range(n):
-        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=False)
-        nodes += more_nodes
-        inits += more_inits
-        ffn_edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.ffn_out", "k": "k"}
-        more_nodes, more_inits = _renamed(build_walk_top_k_graph(gguf, cfg, i).graph,
-                                          lambda name, i=i, edges=ffn_edges: edges.get(name, f"l{i}.ffn.{name}"))
-        nodes += more_nodes
-        inits += more_inits
+    nodes, inits = _layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
     for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
                        ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
