@@ -441,6 +441,28 @@ def test_a_queued_value_is_served_as_it_will_be_stored(tmp_path):
         store.close()
 
 
+def test_occupancy_counts_the_queue_as_it_changes(tmp_path):
+    """The queue's share of the occupancy is kept per layer as values are queued, replaced, written and cleared:
+    at every point it is what the file holds once the queue is written."""
+    store = SqliteL3(tmp_path / "l3.sqlite3")
+    store.QUIET = 60.0      # the writer waits: the values stay queued until flush
+    sizes = {d: len(encode_entry(_entry(0, d=d), store.settings.dtype)) for d in (64, 128)}
+    for key in range(6):
+        assert store.put(key % 3, NS, key, _entry(key, d=64))
+    assert store.put(1, NS, 1, _entry(9, d=128))             # replaces a queued value of layer 1 with a larger one
+    keys, entries, nbytes, _, _ = store.occupancy(4)
+    assert keys.tolist() == entries.tolist() == [2, 2, 2, 0]
+    assert nbytes.tolist() == [2 * sizes[64], sizes[64] + sizes[128], 2 * sizes[64], 0]
+    assert store.flush(10) and store.status()["queued_writes"] == 0
+    assert [a.tolist() for a in store.occupancy(4)[:3]] == [keys.tolist(), entries.tolist(), nbytes.tolist()]
+    store.OCCUPANCY_EVERY = 0.0                              # recount the file: the same figures
+    assert [a.tolist() for a in store.occupancy(4)[:3]] == [keys.tolist(), entries.tolist(), nbytes.tolist()]
+    assert store.put(3, NS, 7, _entry(7, d=64))
+    store.clear()                                            # the queued value goes with the file
+    assert store.occupancy(4)[1].tolist() == [0, 0, 0, 0]
+    store.close()
+
+
 def test_a_second_writer_holding_the_lock_does_not_slow_decode(smollm2, tmp_path):
     """A real decode with the persistent tier on, while another connection holds SQLite's write lock for the
     whole of it: the decode does not wait for the lock (the store's busy timeout, 20 s, would show), and the
