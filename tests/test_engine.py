@@ -167,6 +167,8 @@ def test_top_alternatives_are_the_largest_logits_in_order_ties_to_the_lower_id(v
         if trial == 4:
             z[:] = 1.5                            # every logit tied
         alternatives = top_alternatives(z, str)
+        scratch = np.full(vocab, np.nan, np.float32)   # what a decode passes: a buffer of the last step's pass
+        assert top_alternatives(z, str, scratch=scratch) == alternatives
         expected = np.argsort(-z, kind="stable")[:5]
         assert [a.token_id for a in alternatives] == expected.tolist()
         p = np.exp(z.astype(np.float64) - z.max())
