@@ -427,7 +427,7 @@ class SqliteL3(L3Store):
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
-    OCCUPANCY_EVERY = 2.0   # seconds between recounting per-layer occupancy (kept up to date in between)
+    OCCUPANCY_EVERY = 2.0   # seconds between the writer's recounts of per-layer occupancy (kept up to date in between)
     REFRESH_EVERY = 0.5     # seconds between looks for other processes' inserts (KeyIndex.refresh)
     FILE_CHECK_EVERY = 0.05  # seconds between looks, by a lookup that cannot hit, for a file rebuilt elsewhere
 
@@ -767,7 +767,20 @@ class SqliteL3(L3Store):
                 for change in changes:
                     self._count(*change)
                 self._queued.notify_all()                  # flush() waits for this
+            if time.monotonic() - self._occ_time > self.OCCUPANCY_EVERY:
+                try:
+                    self._recount(conn)
+                except sqlite3.Error:
+                    pass        # the counts kept by this process serve; the next batch meets the error itself
         return 0.0
+
+    def _recount(self, conn: sqlite3.Connection) -> None:
+        """Count the file's values and bytes per layer. With the writer's lock held: no batch is between its
+        commit and leaving the queue, so nothing is counted twice or not at all."""
+        rows = conn.execute("SELECT layer, COUNT(*), SUM(nbytes) FROM entries GROUP BY layer").fetchall()
+        with self._queued:
+            self._occ = {layer: [count, total] for layer, count, total in rows}
+        self._occ_time = time.monotonic()
 
     def _write_failed(self, exc: sqlite3.Error) -> float:
         """The writer's share of _failed: a locked file is waited out (lookups go on), other errors back off,
@@ -829,8 +842,9 @@ class SqliteL3(L3Store):
             counts[1] += nbytes
 
     def occupancy(self, n_layers):
-        """The file's counts plus the values still queued (a recount of the file waits for no batch in flight:
-        while one is being written, the last counts serve)."""
+        """The file's counts plus the values still queued. The file's are counted when it is opened and by the
+        writer after a batch at most every OCCUPANCY_EVERY seconds (other processes' writes show then), and kept
+        up to date by this process's writes in between."""
         keys, entries, nbytes, evictions, dropped = super().occupancy(n_layers)
         with self._lock:
             for layer, count in self._evictions.items():
@@ -839,18 +853,17 @@ class SqliteL3(L3Store):
             conn = self._conn_or_none()
             if conn is None:
                 return keys, entries, nbytes, evictions, dropped
-            if ((self._occ is None or time.monotonic() - self._occ_time > self.OCCUPANCY_EVERY)
-                    and self._writer_lock.acquire(blocking=False)):
-                try:   # under the writer's lock: no batch is between its commit and leaving the queue
-                    rows = conn.execute("SELECT layer, COUNT(*), SUM(nbytes) FROM entries GROUP BY layer").fetchall()
+            # Only the first count after opening (or clearing) the file is made here; the writer recounts after
+            # its batches (_write_batch). A full store's count takes 15-25 ms, which a statistics poll on the
+            # engine thread would take from a token every OCCUPANCY_EVERY seconds.
+            if self._occ is None and self._writer_lock.acquire(blocking=False):
+                try:
+                    self._recount(conn)
                 except sqlite3.Error as exc:
                     self._failed(exc)
                     return keys, entries, nbytes, evictions, dropped
                 finally:
                     self._writer_lock.release()
-                with self._queued:
-                    self._occ = {layer: [count, total] for layer, count, total in rows}
-                self._occ_time = time.monotonic()
             with self._queued:
                 for layer, (count, total) in (self._occ or {}).items():
                     if 0 <= layer < n_layers:
