@@ -382,13 +382,14 @@ class EngineWorker(QObject):
                 stats.add(step)
                 # The history holds the prompt and the reply's tokens before this one: its last is the pass's.
                 held.append(TokenEvent.from_step(request_id, session_id, step, len(session.history) - 1))
-                if time.monotonic() - last_sent >= TOKEN_BATCH_INTERVAL:
+                now = time.monotonic()
+                if now - last_sent >= TOKEN_BATCH_INTERVAL:
                     self.tokens.emit(tuple(held))
                     held.clear()
-                    last_sent = time.monotonic()
-                if time.monotonic() - last_stats >= STATS_INTERVAL:
+                    last_sent = now
+                if now - last_stats >= STATS_INTERVAL:
                     self._emit_stats()
-                    last_stats = time.monotonic()
+                    last_stats = time.monotonic()   # after the snapshot: the interval is between snapshots
         finally:
             if held:
                 self.tokens.emit(tuple(held))
