@@ -163,11 +163,10 @@ def _top_ids(z: np.ndarray, n: int) -> np.ndarray:
     if blocks <= n:
         floor = np.partition(z, z.size - n)[z.size - n]
     else:
+        padded = z      # both models' vocabularies fill whole blocks: the blocks are a view, not a copy
         if z.size % TOP_BLOCK:
             padded = np.full(blocks * TOP_BLOCK, -np.inf, np.float32)
             padded[:z.size] = z
-        else:   # both models' vocabularies: the blocks are a view, not a copy
-            padded = z
         maxima = padded.reshape(blocks, TOP_BLOCK).max(axis=1)
         floor = np.partition(maxima, blocks - n)[blocks - n]
     candidates = np.flatnonzero(z >= floor)
