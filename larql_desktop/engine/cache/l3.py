@@ -376,9 +376,9 @@ class KeyIndex:
 
 class WriteQueue(dict):
     """The write-behind queue: (ns, layer, key) -> (entry, time.time_ns() put, encoded size), in arrival order,
-    keeping per layer how many values and bytes it holds as it changes. The statistics ask for that every half
-    second while a reply streams, when the queue holds a reply's thousands of values: summing them then cost
-    the engine thread ~2 ms each time."""
+    keeping per layer how many values and bytes it holds as it changes. The statistics ask for that every second
+    while a reply streams, when the queue holds a reply's thousands of values: summing them cost the engine
+    thread ~2 ms each time."""
 
     def __init__(self):
         super().__init__()
