@@ -426,7 +426,8 @@ class EngineClient(QObject):
     model_loaded = Signal(object)
     load_progress = Signal(str, float)
     reply_started = Signal(object)
-    token = Signal(object)
+    token = Signal(object)               # TokenEvent: each streamed token, one by one
+    tokens = Signal(object)              # tuple[TokenEvent, ...]: the same tokens as the worker batched them
     reply_finished = Signal(object)
     error = Signal(object)
     stats = Signal(object)
@@ -554,6 +555,7 @@ class EngineClient(QObject):
 
     @Slot(object)
     def _on_tokens(self, events: tuple[TokenEvent, ...]) -> None:
+        self.tokens.emit(events)
         for event in events:
             self.token.emit(event)
 
