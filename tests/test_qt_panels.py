@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QSettings, Qt  # noqa: E402
+from PySide6.QtCore import QEvent, QObject, QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
@@ -485,3 +485,50 @@ def test_applied_patches_come_back_when_the_app_starts_again(qtbot, qapp, app_pa
         assert third.client.worker.engine.applied_patches == ()
     finally:
         third.close()
+
+
+class _PaintCounter(QObject):
+    """Counts the paint events a widget receives."""
+
+    def __init__(self, widget):
+        super().__init__()
+        self.paints = 0
+        widget.installEventFilter(self)
+
+    def eventFilter(self, watched, event):
+        if event.type() == QEvent.Paint:
+            self.paints += 1
+        return False
+
+
+def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(loaded, qtbot):
+    # While a reply streams the monitor redraws every few seconds, and a paint of its six charts takes the GUI
+    # thread tens of ms from the decode beside it. A refresh settles the plots' ranges and axes before Qt paints,
+    # and neither an axis nor the summary above the charts shrinks back (a relayout repaints every chart): the
+    # refresh after a reply used to take 3-5 paints in a row.
+    monitor = loaded.monitor
+    monitor.timer.stop()                    # the test refreshes by hand, at known moments
+    counter = _PaintCounter(monitor.charts.viewport())
+    paints, heights = [], []
+    for prompt in ("Hi!", "Name a colour.", "Name a bird.", "Name a tree.", "Name a fish."):
+        version = monitor.model.version
+        send(qtbot, loaded, prompt, max_tokens=8)
+        qtbot.waitUntil(lambda: monitor.model.version > version, timeout=REPLY_TIMEOUT)
+        qtbot.wait(300)
+        before = counter.paints
+        monitor.refresh()
+        qtbot.wait(500)
+        paints.append(counter.paints - before)
+        heights.append(monitor.charts.height())
+    # The first refreshes grow the axes and the summary to their text (a relayout); then one paint per refresh.
+    assert paints[-3:] == [1, 1, 1], paints
+    # A new chat's statistics have a line fewer: the summary keeps its room, so the charts keep their size.
+    version = monitor.model.version
+    qtbot.keyClick(loaded.current_tab().input, Qt.Key_N, Qt.ControlModifier)
+    qtbot.waitUntil(lambda: monitor.model.version > version, timeout=REPLY_TIMEOUT)
+    qtbot.wait(300)
+    before = counter.paints
+    monitor.refresh()
+    qtbot.wait(500)
+    heights.append(monitor.charts.height())
+    assert counter.paints - before <= 1 and len(set(heights[-4:])) == 1, (counter.paints - before, heights)

@@ -128,6 +128,11 @@ class CacheMonitor(QWidget):
         plot.setLabel("bottom", bottom)
         plot.showGrid(x=True, y=True, alpha=0.25)
         plot.setMenuEnabled(False)
+        for axis in ("left", "bottom"):
+            # An axis that shrinks back whenever its longest tick label gets shorter re-lays out the whole chart
+            # view, and each relayout is another paint of all six charts (tens of ms of the GUI thread, taken
+            # from a decode that shares its two cores): grown once, an axis keeps its room.
+            plot.getAxis(axis).setStyle(autoReduceTextSpace=False)
         label = plot.titleLabel
         # LabelItem makes its text's width the column's minimum on every change; in a panel this narrow a long
         # title would push the last column out of view, so only the height is kept as a minimum.
@@ -618,6 +623,10 @@ class CacheMonitor(QWidget):
                         {name: layers.get(f"{name} KiB", zeros) for name in self.memory_bars})
         self._update_titles(event)
         self._refresh_near_misses(event)
+        # pyqtgraph fits auto ranges (and so the axes' ticks) while it paints, which marks the axes for another
+        # paint; settled here, the changes of this refresh reach the screen in one paint of each view.
+        for view in (self.charts, self.near_charts):
+            view.scene().prepareForPaint()
 
     def _random_overlap(self, event: CacheStatsEvent) -> float | None:
         info = self.client.model
@@ -663,6 +672,13 @@ class CacheMonitor(QWidget):
         text = summary_text(event)
         if text != self.summary.text():   # an unchanged text is not set again (it would re-lay out the panel)
             self.summary.setText(text)
+            # Its lines come and go with the text (a new chat has no line of its own yet, numbers grow a digit):
+            # a summary that got shorter would hand its room to the charts, a relayout that repaints them all.
+            # It keeps the most room it has needed at its width.
+            if self.summary.isVisible() and self.summary.width() > 0:
+                needed = self.summary.heightForWidth(self.summary.width())
+                if needed > self.summary.minimumHeight():
+                    self.summary.setMinimumHeight(needed)
         if event.l3_status is not None:
             self._show_l3_status(event.l3_status)
 
