@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import socket
+import time
 
 import httpx
 import numpy as np
@@ -14,6 +15,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QEvent, QObject, QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
+from larql_desktop.qt import qt_cache_monitor  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.engine.patches.applied import AppliedPatchStore  # noqa: E402
 from larql_desktop.qt.protocol import InsertCancelled, InsertProgress  # noqa: E402
@@ -532,3 +534,37 @@ def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(
     qtbot.wait(500)
     heights.append(monitor.charts.height())
     assert counter.paints - before <= 1 and len(set(heights[-4:])) == 1, (counter.paints - before, heights)
+
+
+def test_while_a_reply_streams_the_charts_redraw_within_their_share_of_the_gui_thread(loaded, qtbot, monkeypatch):
+    # Each redraw of the charts takes the GUI thread 30-250 ms depending on the host, taken from the decode that
+    # shares its cores: while a reply streams, redraws are spaced so that they cost at most STREAMING_CPU_SHARE
+    # of the thread, as measured on the redraws themselves. With the fixed floor lifted (50 Hz), the budget
+    # alone spaces them.
+    monkeypatch.setattr(qt_cache_monitor, "STREAMING_REFRESH_HZ", 50.0)
+    monitor = loaded.monitor
+    counter = _PaintCounter(monitor.charts.viewport())
+    send(qtbot, loaded, "Hi!", max_tokens=4)
+    streaming = {"paints": 0, "first": None, "last": None}
+
+    def on_tokens(events):
+        now = time.perf_counter()
+        if streaming["first"] is None:
+            streaming["first"], streaming["paints"] = now, counter.paints
+        streaming["last"] = now
+    loaded.client.tokens.connect(on_tokens)
+    try:
+        send(qtbot, loaded, "Write a long story about a lighthouse keeper and the sea.", max_tokens=120)
+    finally:
+        loaded.client.tokens.disconnect(on_tokens)
+    paints = counter.paints - streaming["paints"]
+    seconds = streaming["last"] - streaming["first"]
+    cost = monitor.redraw_cost
+    assert cost > 0, (paints, seconds)               # measured on a redraw while a reply streamed
+    interval = monitor.streaming_interval()
+    assert interval == pytest.approx(
+        min(qt_cache_monitor.STREAMING_MAX_INTERVAL_S, max(1 / 50.0, cost / qt_cache_monitor.STREAMING_CPU_SHARE)))
+    # Redraws (each one paint, see above) no closer than the budget allows; the floor alone would allow 50 a second.
+    assert paints <= 2 + seconds / interval, (paints, seconds, cost)
+    assert paints < seconds * 50 / 4, (paints, seconds, cost)
+    qtbot.waitUntil(lambda: monitor._drawn == monitor.model.version, timeout=REPLY_TIMEOUT)   # then drawn at once

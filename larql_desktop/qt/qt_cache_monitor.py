@@ -33,6 +33,13 @@ REFRESH_HZ = 20
 # GUI thread tens of ms of Python, which at 20 Hz held the GIL and a core against the decode (the app decoded at
 # ~40% of the headless speed; at 1 Hz still ~0.85x).
 STREAMING_REFRESH_HZ = 0.5
+# ... or less often, where a redraw costs more: while a reply streams, the charts' redraws take at most this share
+# of the GUI thread (measured: its CPU from a redraw's start until COST_WINDOW_S later, the setData, the scene's
+# update and the paint). On a host where a redraw took 150-250 ms (Gemma's replies lasting 2-3 s), two each
+# reply cost the decode 10-15%.
+STREAMING_CPU_SHARE = 0.03
+COST_WINDOW_S = 0.5
+STREAMING_MAX_INTERVAL_S = 10.0   # a long reply still shows its progress on the slowest machine
 # L1 (per chat), L2 (per process) and the persistent L3 (when the app has a store: on by default).
 CHART_TIERS = tuple(t for t in TIERS if t in ("L1", "L2", "L3"))
 TIER_COLOURS = dict(zip(CHART_TIERS, ("#3a7bd5", "#e8871e", "#17a398")))
@@ -96,6 +103,8 @@ class CacheMonitor(QWidget):
         self.model = MonitorModel()
         self._drawn = -1
         self._refreshed_at = 0.0
+        self._redraw_cpu_from: float | None = None   # the GUI thread's CPU time when a streaming redraw began
+        self.redraw_cost = 0.0                       # the last streaming redraw's, in CPU seconds
         self._last_dir = str(Path.home())
         self._build_charts()
         self._build_controls()
@@ -568,10 +577,22 @@ class CacheMonitor(QWidget):
         if not self.isVisible():
             return
         now = time.monotonic()
-        if self.client.generating_session is not None and now - self._refreshed_at < 1 / STREAMING_REFRESH_HZ:
+        if self._redraw_cpu_from is not None and now - self._refreshed_at >= COST_WINDOW_S:
+            self.redraw_cost = time.thread_time() - self._redraw_cpu_from
+            self._redraw_cpu_from = None
+        if self.model.version == self._drawn:
+            return                                   # nothing new to draw
+        streaming = self.client.generating_session is not None
+        if streaming and (self._redraw_cpu_from is not None or now - self._refreshed_at < self.streaming_interval()):
             return
         self._refreshed_at = now
+        if streaming:
+            self._redraw_cpu_from = time.thread_time()
         self.refresh()
+
+    def streaming_interval(self) -> float:
+        """Seconds between the charts' redraws while a reply streams."""
+        return min(STREAMING_MAX_INTERVAL_S, max(1 / STREAMING_REFRESH_HZ, self.redraw_cost / STREAMING_CPU_SHARE))
 
     def set_dark(self, dark: bool) -> None:
         self.charts.setBackground("#1e1e1e" if dark else "#ffffff")
