@@ -44,10 +44,10 @@ def test_bench_writes_positive_figures_for_every_mode(tmp_path):
         assert "vs_llama_cpp" not in mode
     # The same greedy generation repeated: the warm runs are served by the cache, the cold ones never are.
     assert doc["modes"]["warm"]["cache"]["hit_rate"] == 1.0
-    # Warm against dense in one process too, each warm run right after a dense one.
+    # Warm against dense in one process too, each warm run beside a dense one.
     paired_dense = doc["modes"]["warm"]["paired_dense"]
     assert len(paired_dense["warm_over_dense"]) == 2 and paired_dense["warm_over_dense_median"] > 0
-    assert "warm vs dense, each warm run right after a dense one" in result.stdout
+    assert "warm vs dense, each warm run beside a dense one" in result.stdout
     assert doc["modes"]["cold"]["cache"]["hits"] == 0 and doc["modes"]["cold"]["cache"]["lookups"] > 0
     assert doc["modes"]["sparse"]["cache"]["lookups"] == 0
     assert doc["modes"]["warm"]["tokens"] == doc["modes"]["cold"]["tokens"] == doc["modes"]["sparse"]["tokens"]
@@ -117,6 +117,6 @@ def test_targets_and_ratio_table_with_llama_cpp_figures():
     doc["modes"]["warm"]["paired_dense"] = {"warm_over_dense": [1.1, 1.15], "warm_over_dense_median": 1.125}
     assert targets(doc)["warm_decode_ge_1.2x_dense"] is False
     text = "\n".join(format_report(doc))
-    assert "warm vs dense, each warm run right after a dense one in its process: 1.12x median (1.10, 1.15)" in text
+    assert "warm vs dense, each warm run beside a dense one in its process: 1.12x median (1.10, 1.15)" in text
     assert "ratios vs llama.cpp" in text and " 0.90x" in text
     assert "target dense_ttft_process_le_1.5s: NOT met" in text

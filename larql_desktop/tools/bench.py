@@ -13,8 +13,8 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
           measured run is a new session on the same engine, so its decode lookups are served by L2; the key
           trace names each step's entries in advance, so each step runs in one call of the served decoder
-          graph (the JSON's cache.steps_served counts them); then `paired_dense`: each run again right after
-          a dense one in the same process, whose ratio the 1.2x-dense target reads (modes a few minutes apart
+          graph (the JSON's cache.steps_served counts them); then `paired_dense`: each run again beside a
+          dense one in the same process, whose ratio the 1.2x-dense target reads (modes a few minutes apart
           move by 15-40% on a shared host)
   app     the real window offscreen (larql_desktop/qt/bench_app.py, its own module: tools/ never imports Qt): the app's default walk with L1, L2 and a
           persistent SQLite L3 in a temporary directory, cold caches every run, the cache monitor redrawing;
@@ -220,10 +220,11 @@ def run_larql_worker(spec: dict) -> dict:
 
 def _paired_dense(model, warm_engine, prompt: str, tokens: int, runs: int) -> dict:
     """Warm against dense where the machine's load cannot come between them: `runs` pairs in this process, each
-    a dense generation (the whole-model graph) right before a warm one (a new session on the primed engine).
-    The modes' own rows run in processes minutes apart, and on a shared host their speed moves by 15-40%
-    between runs; a pair's two runs are a second apart. One untimed dense run first makes the whole-model
-    graph's sessions and bindings, as the dense mode's own first run does before it is timed."""
+    a dense generation (the whole-model graph) and a warm one (a new session on the primed engine), dense first
+    in every other pair so that neither always runs second. The modes' own rows run in processes minutes apart,
+    and on a shared host their speed moves by 15-40% between runs; a pair's two runs are a second apart. One
+    untimed dense run first makes the whole-model graph's sessions and bindings, as the dense mode's own first
+    run does before it is timed."""
     dense_engine = engine_for(model, "dense")
 
     def generate(engine) -> RunTiming:
@@ -235,9 +236,9 @@ def _paired_dense(model, warm_engine, prompt: str, tokens: int, runs: int) -> di
 
     generate(dense_engine)
     dense, warm = [], []
-    for _ in range(runs):
-        dense.append(generate(dense_engine).to_dict()["decode_tok_s"])
-        warm.append(generate(warm_engine).to_dict()["decode_tok_s"])
+    for pair in range(runs):
+        for engine, rates in ((dense_engine, dense), (warm_engine, warm))[::1 if pair % 2 == 0 else -1]:
+            rates.append(generate(engine).to_dict()["decode_tok_s"])
     ratios = [w / d for w, d in zip(warm, dense)]
     return {"dense_decode_tok_s": dense, "warm_decode_tok_s": warm, "warm_over_dense": ratios,
             "warm_over_dense_median": statistics.median(ratios)}
@@ -398,7 +399,7 @@ def targets(doc: dict) -> dict:
     if sparse and layered:
         out["walk_cache_off_ge_0.8x_layered"] = sparse["decode_tok_s"] >= 0.8 * layered["decode_tok_s"]
     if warm and (dense or warm.get("paired_dense")):
-        # The paired ratio when the warm mode has it (each warm run right after a dense one in its process).
+        # The paired ratio when the warm mode has it (each warm run beside a dense one in its process).
         paired = warm.get("paired_dense") or {}
         ratio = paired.get("warm_over_dense_median")
         if ratio is None:
@@ -504,7 +505,7 @@ def format_report(doc: dict) -> list[str]:
                          f"({', '.join(f'{r:.2f}' for r in paired['app_over_cold_l3'])})")
     paired = (doc["modes"].get("warm") or {}).get("paired_dense")
     if paired:
-        lines.append(f"warm vs dense, each warm run right after a dense one in its process: "
+        lines.append(f"warm vs dense, each warm run beside a dense one in its process: "
                      f"{paired['warm_over_dense_median']:.2f}x median "
                      f"({', '.join(f'{r:.2f}' for r in paired['warm_over_dense'])})")
     if LLAMA_MODE in doc["modes"]:
