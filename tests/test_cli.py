@@ -17,9 +17,9 @@ def run_cli(*args, timeout=600):
 
 
 def test_chat_prints_reply_and_decode_speed():
-    result = run_cli("chat", "How many legs does a spider have?", "--max-tokens", "24")
+    result = run_cli("chat", "Name three primary colors.", "--max-tokens", "24")   # see test_engine: no near-tie
     assert result.returncode == 0, result.stderr
-    assert "8" in result.stdout or "eight" in result.stdout.lower()
+    assert "red" in result.stdout.lower() and "blue" in result.stdout.lower()
     assert "tok/s" in result.stderr
 
 

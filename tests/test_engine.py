@@ -61,11 +61,13 @@ def test_kv_cache_decode_equals_full_prefill(smollm2):
 
 
 def test_chat_answers_a_clear_question(smollm2):
-    # "What is the capital of France?" is a near-tie for this model (llama.cpp itself answers "L'Étoile…"),
-    # so the check uses a question whose answer is not a coin flip.
+    # A question whose greedy answer is no coin flip: "What is the capital of France?" is a near-tie for this model
+    # (llama.cpp itself answers "L'Étoile…"), and so is the spider's "The answer to this classic question is: 8"
+    # at its 7th token ("is" or "lies", by the host's kernels). The colours match llama.cpp's 22 tokens on both
+    # machines the project has run on (verify-reference).
     session = ChatSession(smollm2)
-    text = "".join(s.text for s in session.reply("How many legs does a spider have?", SamplingSettings(max_tokens=24)))
-    assert "8" in text or "eight" in text.lower()
+    text = "".join(s.text for s in session.reply("Name three primary colors.", SamplingSettings(max_tokens=24)))
+    assert "red" in text.lower() and "blue" in text.lower()
     assert session.messages[-1] == {"role": "assistant", "content": text}
 
 

@@ -88,7 +88,9 @@ def test_sampled_misses_on_a_real_session(name, request):
     # which also shows the miss's own new entry is left out of the search.
     assert np.all(recent[:, 0] < 1.0) and np.all(recent[:, 0] > 0.5)
     assert np.all(recent[:, 1] <= 1.0 + 1e-5) and np.all(recent[:, 1] > -1.0)
-    assert np.all((recent[:, 2] == 1) == (recent[:, 1] >= 0.99))
+    # Served needs an entry at cosine >= tau (and norms within 5%, which the nearest entry may miss), so a served
+    # miss's nearest cosine is >= tau; one below tau was never served.
+    assert np.all(recent[recent[:, 2] == 1, 1] >= 0.99)
     assert int(nm.served.sum()) == int(recent[:, 2].sum())
     assert nm.tau == 0.99 and nm.overlap_hist.shape == (n, 20)
     # Process-wide statistics see the same explanations; entries carry their bitsets.

@@ -17,6 +17,7 @@ import pytest
 from larql_desktop.api.connections import ConnectionLimits
 from larql_desktop.api.server import start_server
 from larql_desktop.engine.cache.l3 import SqliteL3
+from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.completions import StopStrings, cache_counts
 from larql_desktop.engine.core import LarqlEngine
@@ -24,8 +25,9 @@ from larql_desktop.engine.model.generation import SamplingSettings, Sampler
 from larql_desktop.tools.loadtest import run_chat_load
 
 TOKEN = "s3cret-token-for-tests-0123456789"
-# A question SmolLM2 answers the same way at the walk's default K and in llama.cpp ("...is: 8."); "What is the
-# capital of France?" is a near-tie there (llama.cpp answers "L'Étoile, ...", not Paris).
+# What SmolLM2 answers depends on the host's kernels at near-ties: with AVX-512 VNNI the walk answers "...is: 8." as
+# llama.cpp does, with AVX2 only "The answer to this classic question lies in...". Tests compare replies with the
+# same engine's computation (the cache off), never with a wording.
 QUESTION = [{"role": "user", "content": "How many legs does a spider have?"}]
 
 
@@ -89,7 +91,7 @@ def test_a_second_clients_greedy_repeat_is_served_from_l2_and_says_the_same(serv
     second = _client(handle, "key-two").chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
                                                                max_tokens=24)
     text = first.choices[0].message.content
-    assert "8" in text and second.choices[0].message.content == text
+    assert text and second.choices[0].message.content == text
     assert first.choices[0].finish_reason in ("stop", "length") and first.object == "chat.completion"
     prompt_tokens = len(smollm2.encode_prompt(QUESTION))
     assert first.usage.prompt_tokens == second.usage.prompt_tokens == prompt_tokens
@@ -116,6 +118,13 @@ def test_a_second_clients_greedy_repeat_is_served_from_l2_and_says_the_same(serv
     # ...served from the same shared L2 that the API clients filled.
     chat = cache_counts(None, engine.session_snapshot(session))
     assert chat.lookups == a["lookups"] and chat.tier("L2") == (chat.lookups, 0)
+    # And what was served is what the walk computes with every cache tier off.
+    uncached = LarqlEngine(smollm2, walk=WalkSettings(), l1=TierSettings(enabled=False),
+                           l2=TierSettings(enabled=False))
+    session = uncached.new_session()
+    list(session.reply(QUESTION[0]["content"], SamplingSettings(max_tokens=24)))
+    uncached.close_session(session)
+    assert session.messages[-1]["content"] == text
 
 
 def test_streamed_chat_matches_the_plain_reply(served):

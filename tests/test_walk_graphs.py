@@ -114,7 +114,14 @@ def test_top_k_walk_graph_is_the_walk_graph_bit_for_bit(model_name, request):
                 mask[t, select_features(row, k)] = 1.0
             expected = graphs.walk(layer, x, scores, mask)
             assert np.array_equal(graphs.walk_top_k(layer, x, k), expected)          # prefill rows
-            assert np.array_equal(graphs.walk_top_k(layer, x[1:2], k), expected[1:2])  # one decode row
+            # One decode row, against the walk graph on that row, its scores and mask computed on it alone: with
+            # AVX2 only, onnxruntime's MatMulNBits rounds a row differently in a batch of 4 than alone (with
+            # AVX-512 it did not), so a row is compared with the same computation at the same batch size.
+            row_scores = graphs.gate_scores(layer, x[1:2])
+            row_mask = np.zeros_like(row_scores)
+            row_mask[0, select_features(row_scores[0], k)] = 1.0
+            one = graphs.walk(layer, x[1:2], row_scores, row_mask)
+            assert np.array_equal(graphs.walk_top_k(layer, x[1:2], k), one)
 
 
 def test_cache_off_walk_runs_the_top_k_graph_and_matches_the_cached_path(smollm2):
