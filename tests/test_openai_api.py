@@ -329,10 +329,12 @@ def test_eight_streams_progress_together_and_a_disconnect_frees_its_slot(served)
     assert engine.snapshot().calls == calls
     # The same for a plain (not streamed) request whose client gives up waiting.
     # (A client timeout shorter than the prompt's prefill: a sampled reply can reach a stop token within a
-    # second, and then the request would simply have been answered.)
+    # second, and then the request would simply have been answered. The short question's prefill and a
+    # three-token reply took under 0.3 s on one host; ~250 prompt tokens take 0.7 s or more on either.)
+    long_question = [{"role": "user", "content": "Tell me about the moon and its phases. " * 30}]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{handle.url}/v1/chat/completions", timeout=0.3,
-                   json={"model": "smollm2", "messages": QUESTION, "max_tokens": 2000, "temperature": 0.8})
+                   json={"model": "smollm2", "messages": long_question, "max_tokens": 2000, "temperature": 0.8})
     deadline = time.monotonic() + 5
     while engine.sessions and time.monotonic() < deadline:
         time.sleep(0.02)
