@@ -100,6 +100,13 @@ def test_onnx_top_k_mask_selects_what_select_features_selects(mask_session):
             assert np.array_equal(np.flatnonzero(row_mask), select_features(row, k))
 
 
+def _walked(graphs, layer: int, x: np.ndarray, k: int) -> np.ndarray:
+    """The walk graph on the rows x, each row's mask the top k of its own gate scores (select_mask)."""
+    scores = graphs.gate_scores(layer, x)
+    mask = np.stack([select_mask(row, k) for row in scores]).astype(np.float32)
+    return graphs.walk(layer, x, scores, mask)
+
+
 @pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
 def test_top_k_walk_graph_is_the_walk_graph_bit_for_bit(model_name, request):
     model = request.getfixturevalue(model_name)
@@ -108,20 +115,11 @@ def test_top_k_walk_graph_is_the_walk_graph_bit_for_bit(model_name, request):
     for layer in (0, cfg.n_layers // 2, cfg.n_layers - 1):
         x = (rng.standard_normal((4, cfg.hidden)) * rng.uniform(0.2, 5.0)).astype(np.float32)
         for k in (default_top_k(cfg.intermediate), 100, 1):
-            scores = graphs.gate_scores(layer, x)
-            mask = np.zeros_like(scores)
-            for t, row in enumerate(scores):
-                mask[t, select_features(row, k)] = 1.0
-            expected = graphs.walk(layer, x, scores, mask)
-            assert np.array_equal(graphs.walk_top_k(layer, x, k), expected)          # prefill rows
-            # One decode row, against the walk graph on that row, its scores and mask computed on it alone: with
-            # AVX2 only, onnxruntime's MatMulNBits rounds a row differently in a batch of 4 than alone (with
-            # AVX-512 it did not), so a row is compared with the same computation at the same batch size.
-            row_scores = graphs.gate_scores(layer, x[1:2])
-            row_mask = np.zeros_like(row_scores)
-            row_mask[0, select_features(row_scores[0], k)] = 1.0
-            one = graphs.walk(layer, x[1:2], row_scores, row_mask)
-            assert np.array_equal(graphs.walk_top_k(layer, x[1:2], k), one)
+            assert np.array_equal(graphs.walk_top_k(layer, x, k), _walked(graphs, layer, x, k))   # prefill rows
+            # One decode row, against the walk graph on that row alone: with AVX2 only, onnxruntime's
+            # MatMulNBits rounds a row differently in a batch of 4 than alone (with AVX-512 it did not), so a row
+            # is compared with the same computation at the same batch size.
+            assert np.array_equal(graphs.walk_top_k(layer, x[1:2], k), _walked(graphs, layer, x[1:2], k))
 
 
 def test_cache_off_walk_runs_the_top_k_graph_and_matches_the_cached_path(smollm2):
