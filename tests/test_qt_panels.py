@@ -511,29 +511,28 @@ def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(
     monitor = loaded.monitor
     monitor.timer.stop()                    # the test refreshes by hand, at known moments
     counter = _PaintCounter(monitor.charts.viewport())
-    paints, heights = [], []
-    for prompt in ("Hi!", "Name a colour.", "Name a bird.", "Name a tree.", "Name a fish."):
+    heights = []
+
+    def paints_of_a_refresh_after(action) -> int:
+        """Run `action`, wait for the statistics it brings, refresh once: the chart view's paints that followed."""
         version = monitor.model.version
-        send(qtbot, loaded, prompt, max_tokens=8)
+        action()
         qtbot.waitUntil(lambda: monitor.model.version > version, timeout=REPLY_TIMEOUT)
         qtbot.wait(300)
         before = counter.paints
         monitor.refresh()
         qtbot.wait(500)
-        paints.append(counter.paints - before)
         heights.append(monitor.charts.height())
+        return counter.paints - before
+
+    paints = [paints_of_a_refresh_after(lambda prompt=prompt: send(qtbot, loaded, prompt, max_tokens=8))
+              for prompt in ("Hi!", "Name a colour.", "Name a bird.", "Name a tree.", "Name a fish.")]
     # The first refreshes grow the axes and the summary to their text (a relayout); then one paint per refresh.
     assert paints[-3:] == [1, 1, 1], paints
     # A new chat's statistics have a line fewer: the summary keeps its room, so the charts keep their size.
-    version = monitor.model.version
-    qtbot.keyClick(loaded.current_tab().input, Qt.Key_N, Qt.ControlModifier)
-    qtbot.waitUntil(lambda: monitor.model.version > version, timeout=REPLY_TIMEOUT)
-    qtbot.wait(300)
-    before = counter.paints
-    monitor.refresh()
-    qtbot.wait(500)
-    heights.append(monitor.charts.height())
-    assert counter.paints - before <= 1 and len(set(heights[-4:])) == 1, (counter.paints - before, heights)
+    new_chat = paints_of_a_refresh_after(
+        lambda: qtbot.keyClick(loaded.current_tab().input, Qt.Key_N, Qt.ControlModifier))
+    assert new_chat <= 1 and len(set(heights[-4:])) == 1, (new_chat, heights)
 
 
 def test_while_a_reply_streams_the_charts_redraw_within_their_share_of_the_gui_thread(loaded, qtbot, monkeypatch):
