@@ -1,6 +1,7 @@
 """A decode step whose every layer hits runs in one call of the served decoder graph (the key trace guesses the
-step's entries, the walk checks each guess against what the graph computed): on the real models, its output is
-bit-identical to the cache-off walk, a wrong guess is never served, and the counts say what happened."""
+step's entries, the walk checks each guess against what the graph computed), or of the replay decoder graph
+(no gate) while every input is its entry's bit for bit: on the real models, its output is bit-identical to the
+cache-off walk, a wrong guess is never served, and the counts say what happened."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -40,6 +41,7 @@ def test_a_repeated_generation_is_served_whole_and_bit_identical_to_the_cache_of
     assert tokens_1 == tokens_2 == tokens_off
     assert np.array_equal(logits_1, logits_off) and np.array_equal(logits_2, logits_off)
     assert second.ffn.steps_served == 10 and second.ffn.steps_resumed == 0
+    assert second.ffn.steps_replayed == 10      # an exact repeat: every input was its entry's, no gate ran
     n = model.config.n_layers
     snap = engine.session_snapshot(second)
     # Counted as the lookups would have been: L1 (empty in a new session) misses, L2 hits, L1 filled.
@@ -93,6 +95,68 @@ def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
     assert walk.steps_resumed >= 1
     snap = engine.session_snapshot(session)
     assert snap.tiers["L2"].misses[5] >= 1          # the forged entry was looked up, refused, recomputed
+
+
+def test_the_replay_decoder_computes_the_served_decoders_inputs_bit_for_bit(model):
+    ids = _prompt(model, "Water boils at")
+    engine = LarqlEngine(model)
+    run_sequence(model, engine.new_session().ffn, ids, 3)
+    walk = engine.new_session().ffn
+    kv = KvCache(model.config)
+    token = int(np.argmax(model.transformer.forward(ids, kv, walk)[-1]))
+    step = walk.plan_step(token)
+    assert step is not None and step.replay
+    decoder, h = model.transformer.decoder, model.transformer.embed(np.array([token]))
+    # Both write the step's KV rows (the same values); run the served decoder on a copy of the cache.
+    copy = KvCache(model.config)
+    copy.reserve(kv.length + 1)
+    for mine, theirs in ((copy.keys, kv.keys), (copy.values, kv.values)):
+        for a, b in zip(mine, theirs):
+            a[:] = b
+    copy.length = kv.length
+    served = decoder.run_served(h, kv.length, copy, model.transformer.rope, step.outputs, step.selections)
+    replayed = decoder.run_replay(h, kv.length, kv, model.transformer.rope, step.outputs)
+    assert np.array_equal(replayed.inputs.view(np.uint32), served.inputs.view(np.uint32))
+    assert np.array_equal(replayed.residuals.view(np.uint32), served.residuals.view(np.uint32))
+    # The premise of serving a replay without the gate: the inputs are the entries' own, bit for bit.
+    assert np.array_equal(replayed.inputs.view(np.uint32), step.residuals.view(np.uint32))
+    for a, b in zip(copy.keys + copy.values, kv.keys + kv.values):
+        assert np.array_equal(a[:, :kv.length + 1], b[:, :kv.length + 1])
+
+
+def test_an_input_one_bit_off_its_entry_ends_the_replay_and_the_served_decoder_checks_the_rest(model):
+    ids = _prompt(model, "The largest ocean on Earth is")
+    off = LarqlEngine(model, l1=OFF, l2=OFF).new_session()
+    tokens_off, logits_off = run_sequence(model, off.ffn, ids, 5)
+    engine = LarqlEngine(model)
+    run_sequence(model, engine.new_session().ffn, ids, 5)
+    session = engine.new_session()
+    walk = session.ffn
+    kv = KvCache(model.config)
+    step = walk.plan_step(int(np.argmax(model.transformer.forward(ids, kv, walk)[-1])))
+    assert step is not None and step.replay
+    # Layer 7's entry of the first decode step, as if made from an input one unit in the last place away:
+    # the same output, an input the hit rule still admits, but no longer the step's input bit for bit.
+    entry = step.entries[7]
+    nudged = entry.residual.copy()
+    nudged[0] = np.nextafter(nudged[0], np.float32(np.inf))
+    engine.l2.store(7, step.keys[7], CacheEntry(entry.output, _frozen(nudged)))
+    walk._step_start = None
+    walk._last_step_key = None
+    tokens, logits = run_sequence(model, walk, ids, 5)
+    assert tokens == tokens_off and np.array_equal(logits, logits_off)
+    # The first step replayed layers 0-6, looked layer 7 up (served under the hit rule) and went on layer by
+    # layer; the next steps ran in the served decoder, whose keys come from the scores.
+    assert walk.steps_replayed == 0 and walk.steps_resumed == 1 and walk.steps_served == 4
+    assert engine.session_snapshot(session).tiers["L2"].hits[7] == 5
+    # A new prompt expects replays again.
+    tokens, logits = run_sequence(model, walk, ids, 5)
+    assert tokens == tokens_off and np.array_equal(logits, logits_off)
+    assert walk.steps_replayed == 0 and walk.steps_resumed == 2      # the nudged entry is still in L2
+    engine.l2.store(7, step.keys[7], entry)
+    again = engine.new_session().ffn
+    run_sequence(model, again, ids, 5)
+    assert again.steps_replayed == 5
 
 
 def test_no_step_is_served_across_settings_or_under_patches(smollm2):

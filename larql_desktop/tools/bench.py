@@ -13,7 +13,8 @@ Every configuration runs in a process of its own (python -m larql_desktop.tools.
   warm    the walk FFN with its caches on, after one priming run of the same greedy generation: each
           measured run is a new session on the same engine, so its decode lookups are served by L2; the key
           trace names each step's entries in advance, so each step runs in one call of the served decoder
-          graph (the JSON's cache.steps_served counts them); then `paired_dense`: each run again beside a
+          graph (the JSON's cache.steps_served counts them), the replay decoder's (no gate) where every input is
+          its entry's bit for bit (cache.steps_replayed); then `paired_dense`: each run again beside a
           dense one in the same process, whose ratio the 1.2x-dense target reads (modes a few minutes apart
           move by 15-40% on a shared host)
   app     the real window offscreen (larql_desktop/qt/bench_app.py, its own module: tools/ never imports Qt): the app's default walk with L1, L2 and a
@@ -154,10 +155,11 @@ def _cache_figures(engine, session) -> dict:
     walk = session.ffn
     return {"lookups": int(snap.lookups), "hits": int(snap.hits),
             "hit_rate": snap.hits / snap.lookups if snap.lookups else None,
-            # decode steps run whole in the served decoder graph, those where a guessed entry failed, and those
-            # computed whole in the walked decoder graph
-            "steps_served": getattr(walk, "steps_served", 0), "steps_resumed": getattr(walk, "steps_resumed", 0),
-            "steps_walked": getattr(walk, "steps_walked", 0)}
+            # decode steps run whole in the served decoder graph (of which replayed: no gate run, every input its
+            # entry's bit for bit), those where a guessed entry failed, and those computed whole in the walked
+            # decoder graph
+            "steps_served": getattr(walk, "steps_served", 0), "steps_replayed": getattr(walk, "steps_replayed", 0),
+            "steps_resumed": getattr(walk, "steps_resumed", 0), "steps_walked": getattr(walk, "steps_walked", 0)}
 
 
 def run_larql_worker(spec: dict) -> dict:
@@ -209,7 +211,8 @@ def run_larql_worker(spec: dict) -> dict:
     result["identical_runs"] = all(t.tokens == timings[0].tokens for t in timings)
     if mode not in ("dense", "layered"):
         result["cache"] = {key: sum(c[key] for c in caches)
-                           for key in ("lookups", "hits", "steps_served", "steps_resumed", "steps_walked")}
+                           for key in ("lookups", "hits", "steps_served", "steps_replayed", "steps_resumed",
+                                           "steps_walked")}
         lookups = result["cache"]["lookups"]
         result["cache"]["hit_rate"] = result["cache"]["hits"] / lookups if lookups else None
     result["rss_after_load_mb"] = rss_after_load / 2**20 if rss_after_load else None

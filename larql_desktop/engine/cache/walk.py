@@ -9,7 +9,8 @@ single-position calls (decode) consult the cache; prefill, the full-K dense rewr
 INSERT overrides bypass it, each counted by reason.
 
 A decode step runs in one call of a whole-model graph where it can: the served decoder when the key trace names
-every layer's entry in advance (`plan_step` / `settle_step`), else the walked decoder, which computes the top-K
+every layer's entry in advance (`plan_step` / `settle_step`; the replay decoder, without the gate, while the steps
+repeat earlier ones bit for bit: `settle_replayed_step`), else the walked decoder, which computes the top-K
 walk at every layer and leaves the keys, lookups and stores of the misses to after the call
 (`walk_step_k` / `settle_walked_step`). Both keep only the layers a layer-by-layer walk would have given the
 same output, and the step goes on layer by layer from the first other one.
@@ -48,7 +49,9 @@ PATCH_MODES = ("bypass", "per_feature")
 @dataclass(frozen=True)
 class ServedStep:
     """A decode step's guessed hits: per layer the key and its selection, its entry and the index of the tier
-    that holds it, and the entries' outputs stacked (n_layers, d) for the served decoder graph."""
+    that holds it, the entries' outputs stacked (n_layers, d) for the served decoder graph and their inputs
+    (n_layers, d) to check the step against, and whether the step is expected to replay an earlier one bit for
+    bit (run in the replay decoder, which computes no gate)."""
     start: tuple             # the trace's link to the first layer's key: the previous step's end and the token
     keys: tuple
     packed: tuple            # each key's selection mask (F,) packed as mask_key packs it (F/8 uint8)
@@ -56,6 +59,8 @@ class ServedStep:
     entries: tuple
     found_in: tuple
     outputs: np.ndarray
+    residuals: np.ndarray
+    replay: bool
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,10 @@ class WalkFfn(PassAwareFfn):
         self.steps_served = 0        # decode steps planned and served whole in one call
         self.steps_resumed = 0       # planned steps in which a guess failed: computed on from that layer
         self.steps_walked = 0        # decode steps computed whole in one call of the walked decoder graph
+        self.steps_replayed = 0      # served steps whose every input was its entry's, bit for bit (no gate run)
+        # Whether the next planned step is expected to replay an earlier one bit for bit: so from each new prompt
+        # until a replay finds an input that differs (the served decoder checks the keys from the scores then).
+        self._replays = True
         self.l3 = l3             # an l3.L3Store (persistent tier after L2) or None
         self._l3_tier = PersistentTierView(l3, graphs.config.n_layers) if l3 is not None else None
         # Outcome of the latest call ("hit", "miss", "bypass", "dense"), the tier that hit and the bypass reason:
@@ -320,6 +329,8 @@ class WalkFfn(PassAwareFfn):
             out = self._walk(layer, x, scores, self.selection_mask(scores), patched)
             self._record(layer, "bypass", started, bypass=bypass)
             self._previous = None
+            if bypass == "prefill":
+                self._replays = True
             if layer == self._n_layers - 1:
                 # A step after a prefill starts from the prompt's last position: that position's key names where
                 # the step begins. After a patched decode step nothing does.
@@ -401,6 +412,7 @@ class WalkFfn(PassAwareFfn):
 
     def continue_after(self, pass_end) -> None:
         self._last_step_key = pass_end
+        self._replays = True
 
     def plan_step(self, token: int) -> "ServedStep | None":
         """Every layer's entry for a decode step of `token`, guessed by following the trace from the previous
@@ -432,17 +444,37 @@ class WalkFfn(PassAwareFfn):
         packed = tuple(selection for _, selection in chain)
         masks = np.unpackbits(np.stack(packed), axis=1, count=self.intermediate, bitorder="little")
         return ServedStep(start, keys, packed, masks.view(bool), tuple(entries), tuple(found_in),
-                          np.stack([e.output for e in entries]))
+                          np.stack([e.output for e in entries]), np.stack([e.residual for e in entries]),
+                          self._replays)
 
     def settle_step(self, step: "ServedStep", ran) -> int:
         """Check each layer's guessed entry against the step as it ran: served where its key is the key of the
         layer's scores and the hit rule lets it serve the layer's input (what a lookup would serve), recorded as
         that tier's hit (untimed: one call ran the step) and filling the tiers above it. Stops at the first
         layer where a guess fails: the model computes from there, and that layer's lookup is its own."""
-        tiers = self._lookup_tiers()
-        residuals = np.stack([e.residual for e in step.entries])
-        holds = self._keys_hold(step, ran.scores, ran.settled) & self._hit_rule.admits(ran.inputs, residuals)
+        holds = self._keys_hold(step, ran.scores, ran.settled) & self._hit_rule.admits(ran.inputs, step.residuals)
+        return self._serve_layers(step, len(step.keys) if holds.all() else int(np.argmin(holds)))
+
+    def settle_replayed_step(self, step: "ServedStep", ran) -> int:
+        """As `settle_step` for a step the replay decoder ran (no gate scores): a layer is served where its input
+        is, bit for bit, the input its entry was computed from. The same graphs on the same input give the same
+        scores, so the key of the layer's scores is the entry's key (under which the walk stored it), and the
+        hit rule admits an input at distance 0: what a lookup would serve. At the first other layer the model
+        computes on (that layer's lookup makes its own scores), and the next steps run in the served decoder,
+        which checks each key from the scores, until the next prompt."""
+        same = (ran.inputs.view(np.uint32) == step.residuals.view(np.uint32)).all(axis=1)
+        holds = same & self._hit_rule.admits(ran.inputs, step.residuals)
         served = len(step.keys) if holds.all() else int(np.argmin(holds))
+        if served == len(step.keys):
+            self.steps_replayed += 1
+        else:
+            self._replays = False
+        return self._serve_layers(step, served)
+
+    def _serve_layers(self, step: "ServedStep", served: int) -> int:
+        """The first `served` layers of a planned step take their guessed entries: counted as hits of the tiers
+        that held them (untimed: one call ran the step), linked in the trace, filling the tiers above them."""
+        tiers = self._lookup_tiers()
         if served == len(step.keys):
             self.steps_served += 1
         else:

@@ -16,6 +16,12 @@ walk's cache hits, guessed from the key trace (cache/trace.py) before the step r
 the gate scores of every layer with the given FFN outputs in between, and hands back each layer's FFN input
 and scores, from which the walk checks that every guessed entry is the one a lookup would have served.
 
+The replay decoder is the served decoder without the gate: for a step expected to repeat one the cache saw bit
+for bit (a regenerated reply, the same prompt again), where each layer's FFN input equals the input its entry
+was computed from. There the gate scores, the selection and the key are the entry's by construction (the same
+graphs on the same input), so nothing needs them: the step costs attention alone, and the walk serves each layer
+whose input it finds equal to its entry's, bit for bit (cache/walk.py `settle_replayed_step`).
+
 The walked decoder is the same composition for a decode step of the walk FFN whose entries are not known in
 advance (the cache off, or a cold cache): every layer runs the top-K walk graph (selection inside it), and the
 step hands back each layer's FFN input, scores, selection and output, from which the walk makes the keys, looks
@@ -23,7 +29,7 @@ them up and stores the misses after the call (cache/walk.py `settle_walked_step`
 is 61 calls (attention with the gate, then the walk, per layer, and the head) with Python between them: on
 SmolLM2 the cache-off walk decoded at 72 tok/s that way and at 95 in one call (`bench`, 2 threads).
 
-Neither the served nor the walked decoder holds the output head: the model runs the per-layer path's head graph
+None of the served, replay and walked decoders holds the output head: the model runs the per-layer path's head graph
 after them (one more call, a few tens of microseconds), so a walk keeps one copy of the head in memory where it
 kept three (Gemma 3's tied head is 170 MB of Q8_0).
 """
@@ -49,6 +55,7 @@ DECODER_EXPORT_FORMAT = f"decoder2-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FO
 MANIFEST = "decoder.manifest.json"
 FILE = "decoder.onnx"
 SERVED_FILE = "decoder.served.onnx"
+REPLAY_FILE = "decoder.replay.onnx"
 WALKED_FILE = "decoder.walked.onnx"
 FLOAT = TensorProto.FLOAT
 
@@ -150,6 +157,18 @@ def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     return make_model(nodes, inits, inputs, outputs, "decoder")
 
 
+def _served_layers(gguf: GgufFile, cfg: ModelConfig, gated: bool) -> tuple[list, list]:
+    """Every layer's graph with layer i's FFN output read from row i of the input "served" (n, d)."""
+    n = cfg.n_layers
+    nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n)]
+    inits = []
+    for i in range(n):
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"served{i - 1}", gated=gated)
+        nodes += more_nodes
+        inits += more_inits
+    return nodes, inits
+
+
 def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     """One decode step (T = 1) with every layer's FFN output given rather than computed: the walk FFN's cache
     hits for a whole token in one call. Input "served" (n_layers, d): row i is layer i's FFN output (a cached
@@ -159,12 +178,7 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     entry turns out not to apply). Composed from the gated layer graphs, so every tensor is computed by the same
     nodes as in the per-layer path; the head graph runs after it."""
     n = cfg.n_layers
-    nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n)]
-    inits = []
-    for i in range(n):
-        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"served{i - 1}", gated=True)
-        nodes += more_nodes
-        inits += more_inits
+    nodes, inits = _served_layers(gguf, cfg, gated=True)
     for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
     nodes += _selection_check_nodes(inits)
@@ -178,6 +192,25 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
                helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden]),
                helper.make_tensor_value_info("settled", TensorProto.BOOL, [n])] + cache_outputs
     return make_model(nodes, inits, inputs, outputs, "served_decoder")
+
+
+def build_replay_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The served decoder without the gate and the selection check: one decode step (T = 1) with every layer's
+    FFN output given ("served", (n, d)), for a step whose FFN inputs are expected to equal, bit for bit, those
+    the entries were computed from. Outputs besides the KV rows: "inputs" (n, d) the normed FFN inputs (what
+    the walk compares with the entries' own) and "residuals" (n, d). Composed from the layer graphs the dense
+    per-layer path runs; the head graph runs after it."""
+    n = cfg.n_layers
+    nodes, inits = _served_layers(gguf, cfg, gated=False)
+    for name, part in (("inputs", "x_ffn"), ("residuals", "h_out")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
+    inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
+              helper.make_tensor_value_info("served", FLOAT, [n, cfg.hidden])] + cache_inputs
+    outputs = [helper.make_tensor_value_info("inputs", FLOAT, [n, cfg.hidden]),
+               helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden])] + cache_outputs
+    return make_model(nodes, inits, inputs, outputs, "replay_decoder")
 
 
 def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
@@ -245,6 +278,15 @@ class ServedPass:
 
 
 @dataclass(frozen=True)
+class ReplayPass:
+    """What one call of the replay decoder graph computed, per layer (rows): the normed FFN inputs (n, d) and
+    the residuals after attention (n, d). No gate scores: a layer that needs them computes them itself."""
+    inputs: np.ndarray
+    residuals: np.ndarray
+    scores = None
+
+
+@dataclass(frozen=True)
 class WalkedPass:
     """What one call of the walked decoder graph computed, per layer (rows): the normed FFN inputs (n, d), their
     gate scores (n, F), the features summed (n, F) bool, the FFN outputs (n, d), the residuals after attention
@@ -273,6 +315,8 @@ class OnnxDecoder:
         store.ensure(FILE, build, "Exporting the whole-model decoder graph to ONNX", optimized=True)
         build_served = partial(build_served_decoder_graph, gguf, config)
         store.ensure(SERVED_FILE, build_served, "Exporting the served decoder graph to ONNX", 0.4, optimized=True)
+        build_replay = partial(build_replay_decoder_graph, gguf, config)
+        store.ensure(REPLAY_FILE, build_replay, "Exporting the replay decoder graph to ONNX", 0.55, optimized=True)
         build_walked = partial(build_walked_decoder_graph, gguf, config)
         store.ensure(WALKED_FILE, build_walked, "Exporting the walked decoder graph to ONNX", 0.7, optimized=True)
         store.save()
@@ -281,15 +325,17 @@ class OnnxDecoder:
         opts = partial(session_options, threads, spinning=True)
         self._sessions = LazySessions(store, [(FILE, build)], opts, optimized=True)
         self._served = LazySessions(store, [(SERVED_FILE, build_served)], opts, optimized=True)
+        self._replay = LazySessions(store, [(REPLAY_FILE, build_replay)], opts, optimized=True)
         self._walked = LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True)
         self._local = threading.local()
         self._zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
 
     def load_sessions(self, progress: Progress | None = None, walk: bool = False) -> None:
-        """Create the dense decoder's session now, or with `walk` the served and walked decoders' (what a walk
-        runs)."""
+        """Create the dense decoder's session now, or with `walk` the served, replay and walked decoders' (what a
+        walk runs)."""
         if walk:
             self._served.load_all(progress, "Loading the served decoder graph")
+            self._replay.load_all(progress, "Loading the replay decoder graph")
             self._walked.load_all(progress, "Loading the walked decoder graph")
         else:
             self._sessions.load_all(progress, "Loading the decoder graph")
@@ -298,7 +344,8 @@ class OnnxDecoder:
         state = getattr(self._local, "state", None)
         if state is None:     # per thread: bindings are not thread-safe, sessions are
             state = self._local.state = _ThreadBindings(
-                {"dense": self._sessions, "served": self._served, "walked": self._walked}, self.config)
+                {"dense": self._sessions, "served": self._served, "replay": self._replay,
+                 "walked": self._walked}, self.config)
         return state
 
     def _bind_step(self, b: "_DecoderBinding", h: np.ndarray, start: int, kv, rope) -> None:
@@ -338,6 +385,20 @@ class OnnxDecoder:
         b.binding.bind_input("selections", np.ascontiguousarray(selections, dtype=bool))
         for name in ("inputs", "scores", "residuals", "settled"):
             b.binding.bind_output(name, getattr(out, name))
+        b.binding.run()
+        return out
+
+    def run_replay(self, h: np.ndarray, start: int, kv, rope, served: np.ndarray) -> ReplayPass:
+        """One decode step, h (1, d) at position `start`, with layer i's FFN output taken from served[i] (n, d)
+        and no gate computed. Writes row `start` of every layer's keys/values in place."""
+        b = self._bindings().replay
+        self._bind_step(b, h, start, kv, rope)
+        cfg = self.config
+        out = ReplayPass(np.empty((cfg.n_layers, cfg.hidden), np.float32),
+                         np.empty((cfg.n_layers, cfg.hidden), np.float32))
+        b.binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        b.binding.bind_output("inputs", out.inputs)
+        b.binding.bind_output("residuals", out.residuals)
         b.binding.run()
         return out
 
@@ -382,6 +443,10 @@ class _ThreadBindings:
     @property
     def served(self) -> "_DecoderBinding":
         return self._get("served")
+
+    @property
+    def replay(self) -> "_DecoderBinding":
+        return self._get("replay")
 
     @property
     def walked(self) -> "_DecoderBinding":

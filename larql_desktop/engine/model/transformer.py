@@ -69,13 +69,19 @@ class PassAwareFfn(ABC):
         """Before a decode step of `token` (not a plain dense one): an object whose `outputs` (n_layers, d) are
         every layer's FFN output and `selections` (n_layers, F) bool the features each layer is guessed to
         select, when the FFN can name them before the step runs, else None. The model then runs the step in its
-        served decoder graph and hands what it computed (a decoder.ServedPass) to `settle_step`."""
+        served decoder graph and hands what it computed (a decoder.ServedPass) to `settle_step`, or where the
+        object's `replay` is true in its replay decoder graph, to `settle_replayed_step`."""
         return None
 
     def settle_step(self, step, ran) -> int:
         """The planned step ran with `step.outputs`; `ran` holds each layer's normed FFN input, gate scores and
         whether the guessed selection held. Returns how many layers, from the first, were served what this FFN
         would have computed for them: the model redoes the rest from that layer's FFN on."""
+        return 0
+
+    def settle_replayed_step(self, step, ran) -> int:
+        """As `settle_step` for a planned step whose `replay` said so, run in the replay decoder graph: `ran`
+        holds each layer's normed FFN input (a decoder.ReplayPass, no gate scores)."""
         return 0
 
     def walk_step_k(self) -> int | None:
@@ -318,8 +324,12 @@ class TransformerModel:
         return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
 
     def _forward_served(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, step) -> np.ndarray:
-        """A decode step in one call of the served decoder graph, with the FFN's planned outputs; from the first
-        layer whose output turns out not to apply, the step goes on layer by layer."""
+        """A decode step in one call of the served decoder graph (the replay decoder, without the gate, where the
+        plan expects the step to repeat an earlier one bit for bit), with the FFN's planned outputs; from the
+        first layer whose output turns out not to apply, the step goes on layer by layer."""
+        if step.replay:
+            ran = self.decoder.run_replay(h, start, kv, self.rope, step.outputs)
+            return self._settled_step(ran, ffn.settle_replayed_step(step, ran), step.outputs[-1:], start, kv, ffn)
         ran = self.decoder.run_served(h, start, kv, self.rope, step.outputs, step.selections)
         return self._settled_step(ran, ffn.settle_step(step, ran), step.outputs[-1:], start, kv, ffn)
 
@@ -339,7 +349,8 @@ class TransformerModel:
         # Layers before `kept` had what the FFN gives them, so layer `kept`'s attention, input and scores stand;
         # its FFN runs now, and the layers after it run again (rewriting their KV rows).
         i = kept
-        f = np.ascontiguousarray(ffn.call_with_scores(i, ran.inputs[i:i + 1], ran.scores[i:i + 1]), dtype=np.float32)
+        scores = None if ran.scores is None else ran.scores[i:i + 1]     # a replay computed none
+        f = np.ascontiguousarray(ffn.call_with_scores(i, ran.inputs[i:i + 1], scores), dtype=np.float32)
         return self._forward_graphs(ran.residuals[i:i + 1], start, kv, ffn, False, first=i + 1, f=f)
 
     def resume(self, layer: int, h: np.ndarray, x: np.ndarray, kv: KvCache, ffn: FfnCall,
