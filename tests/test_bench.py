@@ -116,6 +116,10 @@ def test_targets_and_ratio_table_with_llama_cpp_figures():
     # With the warm mode's paired dense neighbours, their ratio decides rather than the two modes' rows.
     doc["modes"]["warm"]["paired_dense"] = {"warm_over_dense": [1.1, 1.15], "warm_over_dense_median": 1.125}
     assert targets(doc)["warm_decode_ge_1.2x_dense"] is False
+    # Gemma 3 270M's dense target is 0.95x llama.cpp: the same 0.9x misses it.
+    gemma = dict(doc, model="gemma3-270m", arch="gemma3")
+    assert targets(gemma)["dense_decode_ge_0.95x_llama_cpp"] is False
+    assert "dense_decode_ge_0.75x_llama_cpp" not in targets(gemma)
     text = "\n".join(format_report(doc))
     assert "warm vs dense, each warm run beside a dense one in its process: 1.12x median (1.10, 1.15)" in text
     assert "ratios vs llama.cpp" in text and " 0.90x" in text

@@ -57,6 +57,10 @@ LLAMA_NOEXTRA = "llama.cpp-noextra"
 DEFAULT_PROMPT = ("Explain in a few sentences how a CPU cache makes a program faster, and give one example of "
                   "a workload that benefits from it.")
 SCHEMA = 1
+# Issue 17's dense decode against llama.cpp on the same GGUF: 0.75x for SmolLM2 (and any other model), 0.95x for
+# Gemma 3 270M, whose decode the output head dominates in both engines.
+DENSE_VS_LLAMA_CPP = {"gemma3-270m": 0.95}
+DEFAULT_DENSE_VS_LLAMA_CPP = 0.75
 
 Log = Callable[[str], None]
 
@@ -409,7 +413,8 @@ def targets(doc: dict) -> dict:
             ratio = warm["decode_tok_s"] / dense["decode_tok_s"]
         out["warm_decode_ge_1.2x_dense"] = ratio >= 1.2
     if dense and llama:
-        out["dense_decode_ge_0.75x_llama_cpp"] = dense["decode_tok_s"] >= 0.75 * llama["decode_tok_s"]
+        ratio = DENSE_VS_LLAMA_CPP.get(doc.get("model"), DEFAULT_DENSE_VS_LLAMA_CPP)
+        out[f"dense_decode_ge_{ratio}x_llama_cpp"] = dense["decode_tok_s"] >= ratio * llama["decode_tok_s"]
         if dense.get("peak_rss_mb") and llama.get("peak_rss_mb"):
             out["dense_peak_rss_le_2x_llama_cpp"] = dense["peak_rss_mb"] <= 2 * llama["peak_rss_mb"]
     if dense and warm:
