@@ -159,7 +159,7 @@ def test_engine_never_imports_qt():
 
 @pytest.mark.parametrize("vocab", [3, 5, 7, 2561, 49152, 262144, 262145])
 def test_top_alternatives_are_the_largest_logits_in_order_ties_to_the_lower_id(vocab):
-    """The top tokens come from block maxima (not a partition of the whole vocabulary): the same ids and order as
+    """The top tokens come from group maxima (not a partition of the whole vocabulary): the same ids and order as
     a stable sort of every logit, ties included, and probabilities that are the softmax's."""
     rng = np.random.default_rng(vocab)
     for trial in range(12):

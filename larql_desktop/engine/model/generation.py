@@ -149,26 +149,27 @@ def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: in
                  for i in top)
 
 
-TOP_BLOCK = 512             # logits per block when looking for the top few (see _top_ids)
+TOP_GROUPS = 512            # groups of logits when looking for the top few (see _top_ids)
 
 
 def _top_ids(z: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest of z (finite, 1-D), largest first, a tie to the lower id, without partitioning the
-    whole vocabulary (0.66 ms for Gemma's 262,144 logits, 5% of a decode step): the n-th largest block maximum
-    is a floor that at least n values reach (the n block maxima at or above it), so the n largest are among
-    the few values at or above it."""
+    whole vocabulary (0.66 ms for Gemma's 262,144 logits, 5% of a decode step): the n-th largest group maximum
+    is a floor that at least n values reach (the n group maxima at or above it), so the n largest are among
+    the few values at or above it. The groups are strided (id mod TOP_GROUPS): their maxima are one reduction
+    over whole rows, 5x faster than one per contiguous block (12 vs 62 us for Gemma's logits)."""
     if z.size <= n:
         return np.argsort(-z, kind="stable")
-    blocks = -(-z.size // TOP_BLOCK)
-    if blocks <= n:
+    rows = -(-z.size // TOP_GROUPS)
+    if TOP_GROUPS <= n or rows == 1:
         floor = np.partition(z, z.size - n)[z.size - n]
     else:
-        padded = z      # both models' vocabularies fill whole blocks: the blocks are a view, not a copy
-        if z.size % TOP_BLOCK:
-            padded = np.full(blocks * TOP_BLOCK, -np.inf, np.float32)
+        padded = z      # both models' vocabularies fill whole rows: the groups are a view, not a copy
+        if z.size % TOP_GROUPS:
+            padded = np.full(rows * TOP_GROUPS, -np.inf, np.float32)
             padded[:z.size] = z
-        maxima = padded.reshape(blocks, TOP_BLOCK).max(axis=1)
-        floor = np.partition(maxima, blocks - n)[blocks - n]
+        maxima = padded.reshape(rows, TOP_GROUPS).max(axis=0)
+        floor = np.partition(maxima, TOP_GROUPS - n)[TOP_GROUPS - n]
     candidates = np.flatnonzero(z >= floor)
     return candidates[np.argsort(-z[candidates], kind="stable")[:n]]
 
