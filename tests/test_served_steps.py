@@ -189,3 +189,4 @@ def test_a_regenerated_reply_in_the_app_session_is_served_whole(smollm2):
     again = [s.token_id for s in session.regenerate(settings)]
     assert again == first
     assert session.ffn.steps_served == len(first) - 1
+    assert session.ffn.steps_replayed == len(first) - 1    # the regenerate repeats the reply bit for bit

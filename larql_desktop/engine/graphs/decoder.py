@@ -29,9 +29,9 @@ them up and stores the misses after the call (cache/walk.py `settle_walked_step`
 is 61 calls (attention with the gate, then the walk, per layer, and the head) with Python between them: on
 SmolLM2 the cache-off walk decoded at 72 tok/s that way and at 95 in one call (`bench`, 2 threads).
 
-None of the served, replay and walked decoders holds the output head: the model runs the per-layer path's head graph
-after them (one more call, a few tens of microseconds), so a walk keeps one copy of the head in memory where it
-kept three (Gemma 3's tied head is 170 MB of Q8_0).
+None of the served, replay and walked decoders holds the output head: the model runs the per-layer path's head
+graph after them (one more call, a few tens of microseconds), so a walk keeps one copy of the head in memory where
+it kept four (Gemma 3's tied head is 170 MB of Q8_0).
 """
 from __future__ import annotations
 
