@@ -51,19 +51,12 @@ def test_a_repeated_generation_is_served_whole_and_bit_identical_to_the_cache_of
 
 
 def test_the_graph_says_settled_only_where_the_guessed_selection_is_the_top_k(model):
-    ids = _prompt(model, "Water boils at")
-    engine = LarqlEngine(model)
-    run_sequence(model, engine.new_session().ffn, ids, 3)
-    walk = engine.new_session().ffn
-    kv = KvCache(model.config)
-    logits = model.transformer.forward(ids, kv, walk)[-1]
-    step = walk.plan_step(int(np.argmax(logits)))
-    assert step is not None
+    _, _, session, kv, token, step = _primed_plan(model, "Water boils at", 3)
     selections = step.selections.copy()
     selections[4] = ~selections[4]                      # a wrong guess at one layer
-    ran = model.transformer.decoder.run_served(model.transformer.embed(np.array([int(np.argmax(logits))])),
+    ran = model.transformer.decoder.run_served(model.transformer.embed(np.array([token])),
                                                kv.length, kv, model.transformer.rope, step.outputs, selections)
-    k = walk.settings.top_k
+    k = session.ffn.settings.top_k
     for layer in range(model.config.n_layers):
         exact = select_mask(ran.scores[layer], k)
         assert ran.settled[layer] == (layer != 4)
@@ -71,26 +64,39 @@ def test_the_graph_says_settled_only_where_the_guessed_selection_is_the_top_k(mo
             assert np.array_equal(exact, selections[layer])
 
 
-def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
-    ids = _prompt(model, "The capital of Italy is")
-    off = LarqlEngine(model, l1=OFF, l2=OFF).new_session()
-    tokens_off, logits_off = run_sequence(model, off.ffn, ids, 4)
+def _primed_plan(model, text: str, n_decode: int):
+    """The prompt's ids, an engine whose L2 holds the walk's entries of `n_decode` greedy steps after it, a new
+    session of that engine after the prompt's pass (its KV cache), the first step's token and the session's plan
+    of that step."""
+    ids = _prompt(model, text)
     engine = LarqlEngine(model)
-    run_sequence(model, engine.new_session().ffn, ids, 4)
+    run_sequence(model, engine.new_session().ffn, ids, n_decode)
+    session = engine.new_session()
+    kv = KvCache(model.config)
+    token = int(np.argmax(model.transformer.forward(ids, kv, session.ffn)[-1]))
+    step = session.ffn.plan_step(token)
+    assert step is not None and step.replay
+    return ids, engine, session, kv, token, step
+
+
+def _run_again(model, walk, ids, n_decode):
+    """run_sequence from the prompt on, the walk's links to its last pass forgotten (it plans the first step
+    again, as a new walk would)."""
+    walk._step_start = None
+    walk._last_step_key = None
+    return run_sequence(model, walk, ids, n_decode)
+
+
+def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
+    ids, engine, session, _, _, step = _primed_plan(model, "The capital of Italy is", 4)
+    tokens_off, logits_off = run_sequence(model, LarqlEngine(model, l1=OFF, l2=OFF).new_session().ffn, ids, 4)
+    walk = session.ffn
     # Poison the shared L2: layer 5's entry of the first decode step now claims another output, stored for
     # another input. A lookup would refuse it (the hit rule), so must a guess.
-    session = engine.new_session()
-    walk = session.ffn
-    kv = KvCache(model.config)
-    first = int(np.argmax(model.transformer.forward(ids, kv, walk)[-1]))
-    step = walk.plan_step(first)
-    assert step is not None
     entry = step.entries[5]
     forged = CacheEntry(_frozen(entry.output * 3.0), _frozen(entry.residual * 3.0))
     engine.l2.store(5, step.keys[5], forged)
-    walk._step_start = None
-    walk._last_step_key = None
-    tokens, logits = run_sequence(model, walk, ids, 4)
+    tokens, logits = _run_again(model, walk, ids, 4)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
     assert walk.steps_resumed >= 1
     snap = engine.session_snapshot(session)
@@ -98,14 +104,7 @@ def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
 
 
 def test_the_replay_decoder_computes_the_served_decoders_inputs_bit_for_bit(model):
-    ids = _prompt(model, "Water boils at")
-    engine = LarqlEngine(model)
-    run_sequence(model, engine.new_session().ffn, ids, 3)
-    walk = engine.new_session().ffn
-    kv = KvCache(model.config)
-    token = int(np.argmax(model.transformer.forward(ids, kv, walk)[-1]))
-    step = walk.plan_step(token)
-    assert step is not None and step.replay
+    _, _, _, kv, token, step = _primed_plan(model, "Water boils at", 3)
     decoder, h = model.transformer.decoder, model.transformer.embed(np.array([token]))
     # Both write the step's KV rows (the same values); run the served decoder on a copy of the cache.
     copy = KvCache(model.config)
@@ -125,25 +124,16 @@ def test_the_replay_decoder_computes_the_served_decoders_inputs_bit_for_bit(mode
 
 
 def test_an_input_one_bit_off_its_entry_ends_the_replay_and_the_served_decoder_checks_the_rest(model):
-    ids = _prompt(model, "The largest ocean on Earth is")
-    off = LarqlEngine(model, l1=OFF, l2=OFF).new_session()
-    tokens_off, logits_off = run_sequence(model, off.ffn, ids, 5)
-    engine = LarqlEngine(model)
-    run_sequence(model, engine.new_session().ffn, ids, 5)
-    session = engine.new_session()
+    ids, engine, session, _, _, step = _primed_plan(model, "The largest ocean on Earth is", 5)
+    tokens_off, logits_off = run_sequence(model, LarqlEngine(model, l1=OFF, l2=OFF).new_session().ffn, ids, 5)
     walk = session.ffn
-    kv = KvCache(model.config)
-    step = walk.plan_step(int(np.argmax(model.transformer.forward(ids, kv, walk)[-1])))
-    assert step is not None and step.replay
     # Layer 7's entry of the first decode step, as if made from an input one unit in the last place away:
     # the same output, an input the hit rule still admits, but no longer the step's input bit for bit.
     entry = step.entries[7]
     nudged = entry.residual.copy()
     nudged[0] = np.nextafter(nudged[0], np.float32(np.inf))
     engine.l2.store(7, step.keys[7], CacheEntry(entry.output, _frozen(nudged)))
-    walk._step_start = None
-    walk._last_step_key = None
-    tokens, logits = run_sequence(model, walk, ids, 5)
+    tokens, logits = _run_again(model, walk, ids, 5)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
     # The first step replayed layers 0-6, looked layer 7 up (served under the hit rule) and went on layer by
     # layer; the next steps ran in the served decoder, whose keys come from the scores.
