@@ -453,7 +453,7 @@ class WalkFfn(PassAwareFfn):
         that tier's hit (untimed: one call ran the step) and filling the tiers above it. Stops at the first
         layer where a guess fails: the model computes from there, and that layer's lookup is its own."""
         holds = self._keys_hold(step, ran.scores, ran.settled) & self._hit_rule.admits(ran.inputs, step.residuals)
-        return self._serve_layers(step, len(step.keys) if holds.all() else int(np.argmin(holds)))
+        return self._serve_layers(step, holds)
 
     def settle_replayed_step(self, step: "ServedStep", ran) -> int:
         """As `settle_step` for a step the replay decoder ran (no gate scores): a layer is served where its input
@@ -463,17 +463,18 @@ class WalkFfn(PassAwareFfn):
         computes on (that layer's lookup makes its own scores), and the next steps run in the served decoder,
         which checks each key from the scores, until the next prompt."""
         same = (ran.inputs.view(np.uint32) == step.residuals.view(np.uint32)).all(axis=1)
-        holds = same & self._hit_rule.admits(ran.inputs, step.residuals)
-        served = len(step.keys) if holds.all() else int(np.argmin(holds))
+        served = self._serve_layers(step, same & self._hit_rule.admits(ran.inputs, step.residuals))
         if served == len(step.keys):
             self.steps_replayed += 1
         else:
             self._replays = False
-        return self._serve_layers(step, served)
+        return served
 
-    def _serve_layers(self, step: "ServedStep", served: int) -> int:
-        """The first `served` layers of a planned step take their guessed entries: counted as hits of the tiers
-        that held them (untimed: one call ran the step), linked in the trace, filling the tiers above them."""
+    def _serve_layers(self, step: "ServedStep", holds: np.ndarray) -> int:
+        """The layers of a planned step before the first whose guess does not hold (`holds`, (n_layers,) bool)
+        take their guessed entries: counted as hits of the tiers that held them (untimed: one call ran the
+        step), linked in the trace, filling the tiers above them. Returns how many."""
+        served = len(step.keys) if holds.all() else int(np.argmin(holds))
         tiers = self._lookup_tiers()
         if served == len(step.keys):
             self.steps_served += 1
