@@ -210,7 +210,8 @@ def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2, tm
     assert len(first.alternatives) == 5 and first.alternatives[0].token_id == first.token_id   # greedy
     top = np.argsort(-p)[:5]
     assert [a.token_id for a in first.alternatives] == top.tolist()
-    assert np.allclose([a.probability for a in first.alternatives], p[top], rtol=1e-5, atol=1e-7)
+    # The engine's probabilities come from onnxruntime's float32 softmax (graphs/softmax.py): within 1e-4.
+    assert np.allclose([a.probability for a in first.alternatives], p[top], rtol=1e-4, atol=1e-7)
     assert first.alternatives[0].text == smollm2.tokenizer.decode([first.token_id], special=True)
     assert [o.layer for o in first.layers] == list(range(n))
     assert all(o.outcome == "bypass" and o.bypass == "prefill" for o in first.layers)

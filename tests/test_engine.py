@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.graphs.ffn import OnnxFfn
+from larql_desktop.engine.graphs.softmax import OnnxSoftmax
 from larql_desktop.engine.model.generation import SamplingSettings, top_alternatives
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn
 from larql_desktop.tools.verify_reference import check_model
@@ -160,8 +161,10 @@ def test_engine_never_imports_qt():
 @pytest.mark.parametrize("vocab", [3, 5, 7, 2561, 49152, 262144, 262145])
 def test_top_alternatives_are_the_largest_logits_in_order_ties_to_the_lower_id(vocab):
     """The top tokens come from group maxima (not a partition of the whole vocabulary): the same ids and order as
-    a stable sort of every logit, ties included, and probabilities that are the softmax's."""
+    a stable sort of every logit, ties included, and probabilities that are the softmax's, from numpy and from
+    the onnxruntime softmax a loaded model decodes with (one bound function, called again and again)."""
     rng = np.random.default_rng(vocab)
+    softmax = OnnxSoftmax(vocab).bound()
     for trial in range(12):
         z = (rng.standard_normal(vocab) * 5).astype(np.float32)
         if trial % 3 == 0:
@@ -169,10 +172,19 @@ def test_top_alternatives_are_the_largest_logits_in_order_ties_to_the_lower_id(v
         if trial == 4:
             z[:] = 1.5                            # every logit tied
         alternatives = top_alternatives(z, str)
-        scratch = np.full(vocab, np.nan, np.float32)   # what a decode passes: a buffer of the last step's pass
-        assert top_alternatives(z, str, scratch=scratch) == alternatives
+        from_graph = top_alternatives(z, str, softmax=softmax)
+        assert [(a.token_id, a.text) for a in from_graph] == [(a.token_id, a.text) for a in alternatives]
         expected = np.argsort(-z, kind="stable")[:5]
         assert [a.token_id for a in alternatives] == expected.tolist()
         p = np.exp(z.astype(np.float64) - z.max())
         p /= p.sum()
         assert np.allclose([a.probability for a in alternatives], p[expected], rtol=1e-5)
+        assert np.allclose([a.probability for a in from_graph], p[expected], rtol=1e-4)
+
+
+def test_the_softmax_graph_refuses_logits_of_another_size():
+    softmax = OnnxSoftmax(7).bound()
+    with pytest.raises(ValueError, match="8 logits given to a softmax over 7"):
+        softmax(np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="at least one logit"):
+        OnnxSoftmax(0)

@@ -376,13 +376,25 @@ def test_a_corrupted_decoder_graph_gives_the_same_reply(own_graphs, monkeypatch,
     assert manifest["files"][weights.name]["xxh3"] == file_digest(weights)
 
 
-def test_non_finite_logits_are_an_error_not_an_empty_reply(smollm2):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("damage", ["nan", "late nan", "inf", "all -inf"])
+def test_non_finite_logits_are_an_error_not_an_empty_reply(temperature, damage):
+    """Greedy sampling checks only the winning logit (see Sampler): NaN, infinity and an all -inf row must
+    still fail there, wherever they sit."""
     from larql_desktop.engine.model.generation import Sampler
 
     logits = np.zeros(10, np.float32)
-    logits[3] = np.nan
+    if damage == "nan":
+        logits[3] = np.nan
+    elif damage == "late nan":
+        logits[:9] = 5.0
+        logits[9] = np.nan
+    elif damage == "inf":
+        logits[7] = np.inf
+    else:
+        logits[:] = -np.inf
     with pytest.raises(FloatingPointError, match="non-finite logits"):
-        Sampler(SamplingSettings())(logits)
+        Sampler(SamplingSettings(temperature=temperature))(logits)
 
 
 # ----------------------------------------------------------------------------------------------- small ones

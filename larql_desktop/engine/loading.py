@@ -14,6 +14,7 @@ from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.graphs.blocks import OnnxBlocks
 from larql_desktop.engine.graphs.decoder import OnnxDecoder
 from larql_desktop.engine.graphs.ffn import OnnxFfn
+from larql_desktop.engine.graphs.softmax import OnnxSoftmax
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.model.transformer import TransformerModel
 from larql_desktop.engine.paths import AppPaths
@@ -159,7 +160,7 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     if preload == "all":
         blocks.load_sessions(gated=False)
         ffn.load_sessions()
-    transformer.use_graphs(blocks, decoder)
+    transformer.use_graphs(blocks, decoder, OnnxSoftmax(config.vocab_size, threads))
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.2f s", path.name, seconds)
     return LoadedModel(spec.key if spec else path.stem, spec, path, gguf, config, checksum, tokenizer,

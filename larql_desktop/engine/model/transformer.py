@@ -218,12 +218,15 @@ class TransformerModel:
         self.rope = RopeTables(cfg.head_dim)
         self.graphs = None   # block_graphs.OnnxBlocks once attached: forward then runs in onnxruntime
         self.decoder = None  # decoder_graph.OnnxDecoder: the whole model in one call, for plain dense passes
+        self.softmax = None  # graphs.softmax.OnnxSoftmax over the vocabulary: a reply's token probabilities
 
-    def use_graphs(self, graphs, decoder=None) -> None:
-        """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference), and whole
-        dense passes through the decoder graph when one is given."""
+    def use_graphs(self, graphs, decoder=None, softmax=None) -> None:
+        """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference), whole dense
+        passes through the decoder graph when one is given, and the probabilities a reply's token view shows
+        through `softmax` when one is given (else numpy)."""
         self.graphs = graphs
         self.decoder = decoder if graphs is not None else None
+        self.softmax = softmax if graphs is not None else None
 
     @property
     def layers(self) -> list[AttentionWeights]:
