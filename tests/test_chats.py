@@ -211,6 +211,7 @@ def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2, tm
     top = np.argsort(-p)[:5]
     assert [a.token_id for a in first.alternatives] == top.tolist()
     # The engine's probabilities come from onnxruntime's float32 softmax (graphs/softmax.py): within 1e-4.
+    assert smollm2.transformer.softmax is not None and smollm2.transformer.softmax.size == p.size
     assert np.allclose([a.probability for a in first.alternatives], p[top], rtol=1e-4, atol=1e-7)
     assert first.alternatives[0].text == smollm2.tokenizer.decode([first.token_id], special=True)
     assert [o.layer for o in first.layers] == list(range(n))
