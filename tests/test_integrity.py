@@ -377,10 +377,9 @@ def test_a_corrupted_decoder_graph_gives_the_same_reply(own_graphs, monkeypatch,
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("damage", ["nan", "late nan", "inf", "all -inf"])
+@pytest.mark.parametrize("damage", ["nan", "late nan", "inf", "one -inf", "all -inf"])
 def test_non_finite_logits_are_an_error_not_an_empty_reply(temperature, damage):
-    """Greedy sampling checks only the winning logit (see Sampler): NaN, infinity and an all -inf row must
-    still fail there, wherever they sit."""
+    """NaN, infinity and an all -inf row are refused wherever they sit, greedy or sampled."""
     from larql_desktop.engine.model.generation import Sampler
 
     logits = np.zeros(10, np.float32)
@@ -391,6 +390,8 @@ def test_non_finite_logits_are_an_error_not_an_empty_reply(temperature, damage):
         logits[9] = np.nan
     elif damage == "inf":
         logits[7] = np.inf
+    elif damage == "one -inf":
+        logits[2] = -np.inf
     else:
         logits[:] = -np.inf
     with pytest.raises(FloatingPointError, match="non-finite logits"):

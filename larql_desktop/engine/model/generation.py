@@ -176,13 +176,6 @@ def _top_ids(z: np.ndarray, n: int) -> np.ndarray:
     return candidates[np.argsort(-z[candidates], kind="stable")[:n]]
 
 
-def _check_finite(values) -> None:
-    if not np.isfinite(values).all():
-        # argmax of NaNs is token 0, often a stop token: the reply would end empty, and look like one.
-        raise FloatingPointError("the model computed non-finite logits (a damaged graph or weight file?); "
-                                 "no token can be sampled")
-
-
 class Sampler:
     def __init__(self, settings: SamplingSettings):
         self.settings = settings
@@ -192,13 +185,10 @@ class Sampler:
         """The next token from `logits`; `context`: the token ids so far (prompt and reply), `reply`: the
         reply's own (both only read when a penalty is set)."""
         s = self.settings
-        if s.temperature == 0.0 and not s.penalised:
-            # Greedy needs no pass over every logit for the check: numpy's argmax stops at the first NaN, and
-            # an infinity or an all -inf row is the maximum, so the winner is finite only if the row was sane.
-            token = int(np.argmax(logits))
-            _check_finite(logits[token])
-            return token
-        _check_finite(logits)
+        if not np.isfinite(logits).all():
+            # argmax of NaNs is token 0, often a stop token: the reply would end empty, and look like one.
+            raise FloatingPointError("the model computed non-finite logits (a damaged graph or weight file?); "
+                                     "no token can be sampled")
         if s.penalised:
             logits = self._penalise(logits, context, reply)
         if s.temperature == 0.0:
