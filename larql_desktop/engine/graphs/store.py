@@ -142,10 +142,14 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def _hash_file(path: Path, digest) -> str | None:
+    # Into one reused buffer, unbuffered: a new bytes object per chunk cost a third of a load's hashing
+    # (Gemma 3 270M's 949 MB of graphs: 0.19-0.22 s read chunk by chunk, 0.13 s this way).
+    chunk = bytearray(1 << 22)
+    view = memoryview(chunk)
     try:
-        with open(path, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
+        with open(path, "rb", buffering=0) as fh:
+            while n := fh.readinto(chunk):
+                digest.update(view[:n])
     except OSError:
         return None
     return digest.hexdigest()
