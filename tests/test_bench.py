@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from larql_desktop.tools.bench import APP_MODE, LARQL_MODES, LLAMA_MODE, format_report, targets
+from larql_desktop.tools.bench import (APP_MODE, CPU_FEATURES, LARQL_MODES, LLAMA_MODE, format_report,
+                                      machine_description, targets)
 
 PER_MODE = ("prompt_tokens", "prefill_tok_s", "decode_tok_s", "ttft_submit_s", "ttft_process_s", "load_seconds",
             "peak_rss_mb", "rss_after_load_mb")
@@ -70,6 +71,29 @@ def test_bench_writes_positive_figures_for_every_mode(tmp_path):
     assert "warm_decode_faster_than_dense" in doc["targets"]
     assert "warm_decode_faster_than_layered_dense" in doc["targets"]
     assert "decode tok/s" in result.stdout and "llama.cpp: not run" in result.stdout
+    # Which machine: its CPU and the vector extensions that decide dense decode against llama.cpp.
+    assert doc["machine"]["cpus"] == os.cpu_count() and doc["machine"]["cpu"]
+    if sys.platform.startswith("linux"):
+        assert set(doc["machine"]["cpu_features"]) <= set(CPU_FEATURES)
+    assert f"machine: {doc['machine']['cpu']}, {os.cpu_count()} CPUs; vector extensions: " in result.stdout
+
+
+def _cpuinfo(model: str, flags: str) -> str:
+    return "".join(f"processor\t: {i}\nvendor_id\t: x\nmodel name\t: {model}\nflags\t\t: {flags}\n\n" for i in range(2))
+
+
+def test_machine_description_names_the_cpu_and_its_vector_extensions(tmp_path):
+    xeon = tmp_path / "xeon"
+    xeon.write_text(_cpuinfo("Intel(R) Xeon(R) Platinum 8480+", "fpu sse2 avx2 fma avx512f avx512bw avx512_vnni "
+                                                                "avx512_bf16 amx_bf16 amx_tile amx_int8"))
+    machine = machine_description(xeon)
+    assert machine["cpu"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert machine["cpu_features"] == ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"]
+    epyc = tmp_path / "epyc"
+    epyc.write_text(_cpuinfo("AMD EPYC", "fpu sse2 avx avx2 fma"))
+    assert machine_description(epyc)["cpu_features"] == ["avx2"]
+    assert machine_description(tmp_path / "missing")["cpu_features"] is None   # not Linux: not known
+    assert machine_description(xeon)["cpus"] == os.cpu_count()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -120,7 +144,9 @@ def test_targets_and_ratio_table_with_llama_cpp_figures():
     gemma = dict(doc, model="gemma3-270m", arch="gemma3")
     assert targets(gemma)["dense_decode_ge_0.95x_llama_cpp"] is False
     assert "dense_decode_ge_0.75x_llama_cpp" not in targets(gemma)
+    doc["machine"] = {"cpu": "AMD EPYC", "cpus": 2, "cpu_features": []}
     text = "\n".join(format_report(doc))
+    assert "machine: AMD EPYC, 2 CPUs; vector extensions: none of avx2, avx512f" in text
     assert "warm vs dense, each warm run beside a dense one in its process: 1.12x median (1.10, 1.15)" in text
     assert "ratios vs llama.cpp" in text and " 0.90x" in text
     assert "target dense_ttft_process_le_1.5s: NOT met" in text

@@ -61,6 +61,10 @@ SCHEMA = 1
 # Gemma 3 270M, whose decode the output head dominates in both engines.
 DENSE_VS_LLAMA_CPP = {"gemma3-270m": 0.95}
 DEFAULT_DENSE_VS_LLAMA_CPP = 0.75
+# The vector extensions int8 matrix kernels are built on, as /proc/cpuinfo names them. They decide dense decode against
+# llama.cpp: on a Xeon with AMX, llama.cpp's AMX/VNNI kernels ran SmolLM2 at 1.7x ours, on AVX2-only EPYCs at
+# parity (README), so a bench's figures say little without them.
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 
 Log = Callable[[str], None]
 
@@ -69,6 +73,25 @@ def llama_cpp_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def machine_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The machine the figures come from: platform, Python, CPU count, the CPU's model and which of CPU_FEATURES
+    it has (None where the platform does not say, as off Linux)."""
+    cpu, features = platform.processor() or None, None
+    try:
+        first_cpu = cpuinfo.read_text(errors="replace").split("\n\n", 1)[0]   # every processor's entry is alike
+    except OSError:
+        first_cpu = ""
+    for line in first_cpu.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            cpu = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            features = [name for name in CPU_FEATURES if name in flags]
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpu": cpu, "cpu_features": features}
 
 
 def peak_rss_bytes() -> int | None:
@@ -458,8 +481,7 @@ def run_bench(model: str, threads: int, tokens: int, prompt: str, runs: int, mod
     doc = {"schema": SCHEMA, "model": info["model"], "gguf": info["path"], "arch": info["arch"],
            "threads": threads, "tokens": tokens, "runs": runs, "prompt": prompt,
            "prompt_tokens": len(info["prompt_ids"]), "top_k": info["top_k"], "intermediate": info["intermediate"],
-           "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                       "cpus": os.cpu_count()},
+           "machine": machine_description(),
            "modes": results}
     ref = results.get(LLAMA_MODE)
     # Prefill and time to first token compare with a batched llama.cpp prefill (the fallback row if the
@@ -490,10 +512,17 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _machine_line(machine: dict) -> str:
+    features = machine.get("cpu_features")
+    listed = "not known" if features is None else (", ".join(features) or "none of " + ", ".join(CPU_FEATURES))
+    return f"machine: {machine.get('cpu') or 'unknown CPU'}, {machine.get('cpus')} CPUs; vector extensions: {listed}"
+
+
 def format_report(doc: dict) -> list[str]:
     lines = [f"bench: {doc['model']} ({doc['arch']}), {doc['threads']} threads, {doc['runs']} runs of "
              f"{doc['tokens']} tokens after a {doc['prompt_tokens']}-token prompt; walk K={doc['top_k']} of "
              f"{doc['intermediate']}",
+             *([_machine_line(doc["machine"])] if doc.get("machine") else []),
              f"{'mode':10s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'TTFT submit':>11s} "
              f"{'TTFT start':>10s} {'load s':>7s} {'peak RSS MB':>11s} {'hit rate':>8s}"]
     for name, r in doc["modes"].items():
