@@ -12,7 +12,7 @@ from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, F
                                         chat_to_markdown)
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.chat import ChatSession
-from larql_desktop.engine.model.chat import StopStringDecoder
+from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.generation import PRESETS, Sampler, SamplingSettings, apply_preset, preset_of
 from larql_desktop.engine.model.transformer import KvCache
 

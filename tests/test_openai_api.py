@@ -19,7 +19,8 @@ from larql_desktop.api.server import start_server
 from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
-from larql_desktop.engine.completions import StopStrings, cache_counts
+from larql_desktop.engine.cache.stats import cache_counts
+from larql_desktop.engine.model.stops import StopStrings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.generation import SamplingSettings, Sampler
 from larql_desktop.tools.loadtest import run_chat_load

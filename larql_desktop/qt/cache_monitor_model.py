@@ -14,7 +14,7 @@ import numpy as np
 from larql_desktop.engine.cache.stats import BYPASS_REASONS, OUTCOMES, StatsSnapshot, TIERS
 from larql_desktop.qt.protocol import CacheStatsEvent
 # cache_counts is the engine's (the HTTP API counts per request with it too); imported from here by the worker.
-from larql_desktop.engine.completions import cache_counts  # noqa: F401
+from larql_desktop.engine.cache.stats import cache_counts  # noqa: F401
 
 
 def _total(a: np.ndarray) -> int:

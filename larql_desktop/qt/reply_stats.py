@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from larql_desktop.engine.completions import CacheCounts  # noqa: F401  (re-exported: the reply stats carry it)
+from larql_desktop.engine.cache.stats import CacheCounts  # noqa: F401  (re-exported: the reply stats carry it)
 from larql_desktop.engine.model.generation import TokenStep
 
 # Why a reply ended.

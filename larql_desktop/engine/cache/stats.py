@@ -192,3 +192,58 @@ class CacheStats:
             return StatsSnapshot(self._calls, self._lookups, tier_snaps,
                                  {r: v.copy() for r, v in self._bypass.items()}, latency, fid,
                                  tuple(self._recent), self._full_misses.copy(), self._near_miss.snapshot())
+
+
+def _total(a) -> int:
+    return int(np.asarray(a).sum())
+
+
+@dataclass(frozen=True)
+class CacheCounts:
+    """What the FFN cache did during one reply or request (differences of its statistics before and after)."""
+    tiers: tuple[tuple[str, int, int], ...] = ()   # (tier, hits, misses) in lookup order: L1, L2, …
+    bypasses: tuple[tuple[str, int], ...] = ()     # (reason, calls), reasons with calls only
+    dense_calls: int = 0
+    lookups: int = 0       # decode calls that consulted the cache
+    computed: int = 0      # of those, the ones every tier missed (the FFN ran)
+    calls: int = 0         # FFN calls of any kind
+
+    def tier(self, name: str) -> tuple[int, int]:
+        """(hits, misses) of one tier; (0, 0) if it is not listed."""
+        return next(((h, m) for n, h, m in self.tiers if n == name), (0, 0))
+
+    @property
+    def bypass_total(self) -> int:
+        return sum(n for _, n in self.bypasses)
+
+    def to_dict(self) -> dict:
+        return {"ffn_calls": self.calls, "lookups": self.lookups,
+                "hits": {name: h for name, h, _ in self.tiers},
+                "tier_misses": {name: m for name, _, m in self.tiers},
+                "misses": self.computed,
+                "bypasses": dict(self.bypasses), "dense_calls": self.dense_calls}
+
+    def __add__(self, other: "CacheCounts") -> "CacheCounts":
+        names = list(dict.fromkeys([n for n, _, _ in self.tiers] + [n for n, _, _ in other.tiers]))
+        tiers = tuple((n, self.tier(n)[0] + other.tier(n)[0], self.tier(n)[1] + other.tier(n)[1]) for n in names)
+        mine, theirs = dict(self.bypasses), dict(other.bypasses)
+        bypasses = tuple((r, mine.get(r, 0) + theirs.get(r, 0)) for r in dict.fromkeys([*mine, *theirs]))
+        return CacheCounts(tiers, bypasses, self.dense_calls + other.dense_calls, self.lookups + other.lookups,
+                           self.computed + other.computed, self.calls + other.calls)
+
+
+def cache_counts(before: StatsSnapshot | None, after: StatsSnapshot) -> CacheCounts:
+    """What happened between two snapshots of the same statistics (a reply's share of its chat's stats; with
+    `before` None, everything `after` counts: a request's own session)."""
+    def delta(get) -> int:
+        return get(after) - (get(before) if before is not None else 0)
+
+    def tier(name: str, field: str):
+        return lambda s: _total(getattr(s.tiers[name], field)) if name in s.tiers else 0
+
+    tiers = tuple((name, delta(tier(name, "hits")), delta(tier(name, "misses"))) for name in after.tiers)
+    bypasses = tuple((reason, n) for reason in after.bypasses
+                     if (n := delta(lambda s, r=reason: _total(s.bypasses.get(r, 0)))) > 0)
+    dense = delta(lambda s: s.latency["dense"].count if "dense" in s.latency else 0)
+    computed = delta(lambda s: _total(s.full_misses) if s.full_misses is not None else 0)
+    return CacheCounts(tiers, bypasses, dense, delta(lambda s: s.lookups), computed, delta(lambda s: s.calls))

@@ -8,32 +8,13 @@ import numpy as np
 
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import CacheTier
-from larql_desktop.engine.completions import StopStrings
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
+from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
 from larql_desktop.engine.loading import LoadedModel
 
 ROLES = ("user", "assistant")
-
-
-class StopStringDecoder:
-    """A token stream decoder whose text is cut at the first of some stop strings (`StopStrings`, as the OpenAI
-    API cuts its replies); `stopped` tells `decode` to end the reply there."""
-
-    def __init__(self, decoder, stops: tuple[str, ...]):
-        self.decoder = decoder
-        self.stops = StopStrings(stops)
-
-    @property
-    def stopped(self) -> bool:
-        return self.stops.stopped
-
-    def feed(self, token_id: int) -> str:
-        return self.stops.feed(self.decoder.feed(token_id))
-
-    def flush(self) -> str:
-        return self.stops.feed(self.decoder.flush()) + self.stops.flush()
 
 
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
