@@ -10,7 +10,7 @@ import pytest
 
 from larql_desktop.api.server import start_server
 from larql_desktop.engine.core import LarqlEngine, PatchesChanged
-from larql_desktop.engine.patches.overlay import Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.model.overlay import Patch, PatchOperation, PatchOverlay
 
 THREADS_PER_FRONT_END = 3
 PATCHES_PER_THREAD = 4

@@ -123,7 +123,7 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     under an INSERT override, run layer by layer."""
     from larql_desktop.engine.cache.stats import CacheStats
     from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
-    from larql_desktop.engine.patches.overlay import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
+    from larql_desktop.engine.model.overlay import BaseFeatureWeights, PatchOverlay, PatchOperation, Patch
 
     cfg = smollm2.config
     stats = CacheStats(cfg.n_layers)

@@ -10,7 +10,7 @@ from larql_desktop.engine.cache.keys import feature_key, key_features, select_fe
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+from larql_desktop.engine.model.overlay import Patch, PatchOperation
 
 LAYER = 9
 

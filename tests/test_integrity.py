@@ -36,7 +36,7 @@ from larql_desktop.engine.loading import load_model
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import Fact
-from larql_desktop.engine.patches.overlay import PatchError, encode_vector, parse_patch
+from larql_desktop.engine.model.overlay import PatchError, encode_vector, parse_patch
 from greedy_runs import run_sequence
 from test_l3 import NS, _entry, open_store, redis_url  # noqa: F401  (fixtures)
 

@@ -13,7 +13,7 @@ from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.patches.insert import Fact
-from larql_desktop.engine.patches.overlay import Patch, PatchError, PatchOperation, encode_vector
+from larql_desktop.engine.model.overlay import Patch, PatchError, PatchOperation, encode_vector
 from greedy_runs import run_sequence
 
 FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]

@@ -22,7 +22,7 @@ from larql_desktop.qt.protocol import InsertCancelled, InsertProgress  # noqa: E
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
-from larql_desktop.engine.patches.overlay import encode_vector  # noqa: E402
+from larql_desktop.engine.model.overlay import encode_vector  # noqa: E402
 from larql_desktop.qt.app import open_persistent_cache  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 

@@ -13,7 +13,7 @@ from larql_desktop.engine.cache.keys import select_mask
 from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings, _frozen
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+from larql_desktop.engine.model.overlay import Patch, PatchOperation
 from greedy_runs import run_sequence
 
 OFF = TierSettings(enabled=False)

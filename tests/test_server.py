@@ -16,7 +16,7 @@ import pytest
 
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.l3 import SqliteL3
-from larql_desktop.engine.patches.overlay import encode_vector
+from larql_desktop.engine.model.overlay import encode_vector
 from larql_desktop.tools.loadtest import run_load
 from larql_desktop.api.server import start_server
 

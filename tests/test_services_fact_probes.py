@@ -10,7 +10,7 @@ from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.chat import ChatSession, chat_prompt_ids
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
-from larql_desktop.engine.patches.overlay import PatchOverlay
+from larql_desktop.engine.model.overlay import PatchOverlay
 
 FACT = Fact("Atlantis", "capital-of", "Poseidon")
 QUESTION = fill(QUESTIONS[0], FACT.relation_words, FACT.entity)

@@ -14,7 +14,7 @@ from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.graphs.ffn import top_k_mask_nodes
 from larql_desktop.engine.graphs.store import make_model, session_options
-from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
 OFF = TierSettings(enabled=False)
 

@@ -43,7 +43,7 @@ from larql_desktop.engine import services
 from larql_desktop.engine.cache.keys import is_full_k
 from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied, UnknownPatch
 from larql_desktop.engine.patches.insert import Fact
-from larql_desktop.engine.patches.overlay import PatchError
+from larql_desktop.engine.model.overlay import PatchError
 from larql_desktop.engine.services import (DEFAULT_API_HOST, DEFAULT_API_PORT, PatchSummary, finite_json,
                                            is_loopback)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024       # patch files carry base64 vectors; a residual is a few tens of KB

@@ -17,7 +17,7 @@ import numpy as np
 from larql_desktop.engine.model.chat import chat_prompt_ids, conversation
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
-from larql_desktop.engine.patches.overlay import Patch, PatchOverlay
+from larql_desktop.engine.model.overlay import Patch, PatchOverlay
 
 # Where the local HTTP API answers unless told otherwise (the app's toggle, `serve`, the load test).
 DEFAULT_API_HOST = "127.0.0.1"

@@ -41,7 +41,7 @@ from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
 from larql_desktop.engine.model.transformer import ACTIVATIONS, PassAwareFfn
-from larql_desktop.engine.patches.overlay import PatchOverlay
+from larql_desktop.engine.model.overlay import PatchOverlay
 
 PATCH_MODES = ("bypass", "per_feature")
 

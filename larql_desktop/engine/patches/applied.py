@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.patches.overlay import Patch, PatchError
+from larql_desktop.engine.model.overlay import Patch, PatchError
 
 log = logging.getLogger(__name__)
 FORMAT = 1

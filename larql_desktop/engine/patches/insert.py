@@ -45,7 +45,7 @@ from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.chat import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 from larql_desktop.engine.patches.relation_frames import relation_frames
 
 Progress = Callable[[str, float], None]
