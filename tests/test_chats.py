@@ -11,7 +11,7 @@ import pytest
 from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, FLUSH_INTERVAL, chat_to_json,
                                         chat_to_markdown)
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.generation import PRESETS, Sampler, SamplingSettings, apply_preset, preset_of
 from larql_desktop.engine.model.transformer import KvCache

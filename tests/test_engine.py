@@ -13,7 +13,7 @@ from larql_desktop.engine.model.generation import SamplingSettings, top_alternat
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn
 from larql_desktop.tools.verify_reference import check_model
 from larql_desktop.engine.loading import load_model
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.session import ChatSession
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 
@@ -151,7 +151,7 @@ def test_unknown_model_name(app_paths):
 
 
 def test_engine_never_imports_qt():
-    code = ("import sys, larql_desktop.engine.loading, larql_desktop.engine.model.chat, larql_desktop.tools.verify_reference,"
+    code = ("import sys, larql_desktop.engine.loading, larql_desktop.engine.session, larql_desktop.tools.verify_reference,"
             " larql_desktop.cli; bad = [m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph'))];"
             " print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.tools.measure import CacheOffReference, MeasurementStopped, NearestNeighbourFfn, run_frontier
 

@@ -11,7 +11,7 @@ from PySide6.QtCore import QSettings, Qt  # noqa: E402
 
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.core import LarqlEngine  # noqa: E402
-from larql_desktop.engine.model.chat import chat_prompt_ids  # noqa: E402
+from larql_desktop.engine.loading import chat_prompt_ids  # noqa: E402
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill  # noqa: E402
 from larql_desktop.engine.model.overlay import PatchOverlay  # noqa: E402
 from larql_desktop.engine.services import CHAT_PROBE_TOKENS  # noqa: E402

@@ -7,7 +7,8 @@ import pytest
 
 from larql_desktop.engine import services
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.model.chat import ChatSession, chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
 from larql_desktop.engine.model.overlay import PatchOverlay

@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from larql_desktop.engine.catalog import ModelSpec, Progress, resolve_model
 from larql_desktop.engine.formats.chat_template import render_chat
@@ -110,6 +111,20 @@ class LoadedModel:
     @property
     def context_limit(self) -> int:
         return min(self.config.context_length, 8192)
+
+
+def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
+    """The messages a chat renders through its template: the system prompt first when one is set (None: the
+    template's own default, as a new chat tab has it) and the model is a chat model, then the turns."""
+    if system_prompt is not None and model.is_chat:
+        return [{"role": "system", "content": system_prompt}] + list(messages)
+    return list(messages)
+
+
+def chat_prompt_ids(model: LoadedModel, user_text: str, system_prompt: str | None = None) -> list[int]:
+    """The tokens a chat's first turn sends the model: `user_text` as the only turn, with the assistant's reply
+    begun (what a new chat tab runs when the user asks `user_text`)."""
+    return model.encode_prompt(conversation(model, [{"role": "user", "content": user_text}], system_prompt))
 
 
 PRELOAD_CHOICES = ("all", "layers", "decoder", "none")

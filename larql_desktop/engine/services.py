@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from larql_desktop.engine.model.chat import chat_prompt_ids, conversation
+from larql_desktop.engine.loading import chat_prompt_ids, conversation
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
 from larql_desktop.engine.model.overlay import Patch, PatchOverlay

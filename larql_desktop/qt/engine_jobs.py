@@ -10,7 +10,7 @@ import time
 from larql_desktop.engine import services
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.patches.insert import Fact, Progress
 from larql_desktop.qt.protocol import (CacheStatsEvent, FactProbed, InsertFact, InsertFinished, PatchesChanged,
                                        PatchSaved, ProbeFact, ProbePrompt, ProbeResult, SavePatch)

@@ -35,7 +35,7 @@ from larql_desktop.engine.model.generation import TokenStep
 from larql_desktop.engine.cache.l3 import L3Store
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.loading import LoadedModel, load_model
-from larql_desktop.engine.model.chat import ChatSession
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.qt import engine_jobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings

@@ -27,7 +27,7 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
-from larql_desktop.engine.model.chat import chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchOverlay
 # What counts as answering: shared with the patch editor's probe table (services.fact_probes).

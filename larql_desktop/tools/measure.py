@@ -16,7 +16,8 @@ from larql_desktop.engine.cache.tiers import CacheTier, GUARD_NORM_TOLERANCE, Ti
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.generation import SamplingSettings, greedy
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.model.chat import ChatSession, chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
+from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.loading import LoadedModel
 
 Log = Callable[[str], None]

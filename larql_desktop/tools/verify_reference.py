@@ -10,7 +10,7 @@ import numpy as np
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.model.chat import chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.loading import LoadedModel

@@ -29,7 +29,7 @@ import numpy as np
 
 from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, select_features
 from larql_desktop.engine.cache.tiers import cosine
-from larql_desktop.engine.model.chat import chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.transformer import KvCache, NumpyDenseFfn, TransformerModel
 
 # Shares of the intermediate size the K sweep visits (besides the seed's default K and the report's), and the key

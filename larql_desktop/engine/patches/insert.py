@@ -42,7 +42,7 @@ import numpy as np
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.loading import LoadedModel
-from larql_desktop.engine.model.chat import chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay

@@ -1,4 +1,6 @@
-"""A chat session: its messages, its KV cache and the FFN it runs through (with its own L1 cache)."""
+"""A chat session: its messages, its KV cache and the FFN it runs through (with its own L1 cache and statistics).
+
+Above the cache and the loader: the engine core makes one per chat tab and per API request."""
 from __future__ import annotations
 
 import time
@@ -12,23 +14,9 @@ from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, d
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
-from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.loading import LoadedModel, conversation
 
 ROLES = ("user", "assistant")
-
-
-def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
-    """The messages a chat renders through its template: the system prompt first when one is set (None: the
-    template's own default, as a new chat tab has it) and the model is a chat model, then the turns."""
-    if system_prompt is not None and model.is_chat:
-        return [{"role": "system", "content": system_prompt}] + list(messages)
-    return list(messages)
-
-
-def chat_prompt_ids(model: LoadedModel, user_text: str, system_prompt: str | None = None) -> list[int]:
-    """The tokens a chat's first turn sends the model: `user_text` as the only turn, with the assistant's reply
-    begun (what a new chat tab runs when the user asks `user_text`)."""
-    return model.encode_prompt(conversation(model, [{"role": "user", "content": user_text}], system_prompt))
 
 
 class ChatSession:
