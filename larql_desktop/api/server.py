@@ -44,8 +44,8 @@ from larql_desktop.engine.cache.keys import is_full_k
 from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied, UnknownPatch
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchError
-from larql_desktop.engine.services import (DEFAULT_API_HOST, DEFAULT_API_PORT, PatchSummary, finite_json,
-                                           is_loopback)
+from larql_desktop.engine.patches.summary import PatchSummary
+from larql_desktop.engine.services import DEFAULT_API_HOST, DEFAULT_API_PORT, finite_json, is_loopback
 DEFAULT_MAX_BODY = 8 * 1024 * 1024       # patch files carry base64 vectors; a residual is a few tens of KB
 MAX_POSITIONS = 256
 INPUT_NORM_MARGIN = 4.0     # residuals up to 4x the largest norm the model can produce are accepted

@@ -20,9 +20,9 @@ from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file, parse_patch
-from larql_desktop.engine.services import PatchSummary, patch_summaries
 
 log = logging.getLogger(__name__)
 

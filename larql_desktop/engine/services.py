@@ -17,7 +17,8 @@ import numpy as np
 from larql_desktop.engine.loading import chat_prompt_ids, conversation
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
-from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries  # noqa: F401  (front-ends call services.patch_summaries)
 
 # Where the local HTTP API answers unless told otherwise (the app's toggle, `serve`, the load test).
 DEFAULT_API_HOST = "127.0.0.1"
@@ -36,28 +37,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-@dataclass(frozen=True)
-class PatchSummary:
-    """One applied patch as front-ends show it; `id` is stable (a content hash) and names it in requests."""
-    id: str
-    name: str                 # the file stem it was loaded from ("" for an INSERT made here)
-    description: str
-    base_model: str
-    created_at: str
-    operations: int
-    layers: tuple[int, ...]
-    features: tuple[tuple[int, int], ...]   # (layer, feature)
-
-    @classmethod
-    def of(cls, patch: Patch) -> "PatchSummary":
-        return cls(patch.id, patch.name, patch.description, patch.base_model, patch.created_at,
-                   len(patch.operations), tuple(patch.layers), tuple(patch.features))
-
-
-def patch_summaries(overlay: PatchOverlay) -> tuple[PatchSummary, ...]:
-    return tuple(PatchSummary.of(p) for p in overlay.patches)
 
 
 @dataclass(frozen=True)

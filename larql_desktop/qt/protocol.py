@@ -14,7 +14,8 @@ from larql_desktop.engine.cache.stats import StatsSnapshot
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
 from larql_desktop.engine.model.outcomes import LayerOutcome
-from larql_desktop.engine.services import FactProbe, PatchSummary
+from larql_desktop.engine.patches.summary import PatchSummary
+from larql_desktop.engine.services import FactProbe
 from larql_desktop.qt.reply_stats import ReplyStats
 
 
