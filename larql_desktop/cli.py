@@ -152,7 +152,7 @@ def cmd_hitrates(args) -> int:
 def cmd_collapse(args) -> int:
     import json
 
-    from larql_desktop.engine.cache.collapse import collapse, format_report
+    from larql_desktop.engine.analysis.collapse import collapse, format_report
 
     if len(args.prompts) < 2:
         raise ValueError("collapse compares at least two prompts")

@@ -14,13 +14,28 @@ WEB = ("fastapi", "uvicorn", "starlette", "pydantic", "sse_starlette")
 # layer (a folder or module of the package) -> what it must never import
 FORBIDDEN = {
     "engine": GUI + WEB + ("larql_desktop.qt", "larql_desktop.api", "larql_desktop.tools", "larql_desktop.cli"),
-    "engine/formats": ("larql_desktop.engine.model", "larql_desktop.engine.graphs", "larql_desktop.engine.cache",
-                       "larql_desktop.engine.patches", "larql_desktop.engine.core", "larql_desktop.engine.services",
-                       "larql_desktop.engine.loading"),
     "tools": GUI + ("larql_desktop.qt", "larql_desktop.cli"),
     "qt": WEB + ("larql_desktop.api", "larql_desktop.cli"),
     "api": GUI + ("larql_desktop.qt", "larql_desktop.cli", "larql_desktop.tools"),
 }
+
+
+# The engine's own layers, bottom first: a part (a subpackage or top-level module of engine/) imports only parts of
+# lower rows, never its own row's neighbours nor anything above, so no two parts can form an import cycle.
+ENGINE_LAYERS = (
+    ("formats", "paths"),      # GGUF, quantisations, tokenizer, chat templates, JSON files; where the app's files live
+    ("catalog",),              # the known models and their downloads
+    ("model",),                # config, forward pass, KV cache, sampling, stop strings, FFN outcomes, the patch overlay
+    ("graphs",),               # ONNX export of layers, blocks and decoders, and the file store they live in
+    ("loading",),              # a GGUF turned into a LoadedModel (tokenizer, transformer, graphs), its chat prompts
+    ("cache",),                # the walk FFN, its keys, tiers (L1/L2/L3), statistics, near misses, key traces
+    ("patches",),              # INSERT, the applied-patch store, relation frames, patch summaries
+    ("analysis",),             # the paraphrase-collapse lab and the feature view
+    ("session",),              # a chat session: messages, KV cache and its FFN
+    ("core",),                 # the engine: sessions, cache settings, patches, events
+    ("completions", "chats", "services"),   # what front-ends ask of an engine
+)
+ENGINE = "larql_desktop.engine"
 
 
 def _module_name(path: Path) -> str:
@@ -56,6 +71,67 @@ def _violations(layer: str) -> list[str]:
                 if name == banned or name.startswith(banned + "."):
                     bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     return bad
+
+
+def _engine_part(path: Path) -> str:
+    rel = path.relative_to(PACKAGE / "engine").parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+def _engine_violations() -> list[str]:
+    """Every import of one engine part by another that does not go strictly down ENGINE_LAYERS, and every part
+    the layer list does not name (a new part must be placed)."""
+    row = {part: level for level, parts in enumerate(ENGINE_LAYERS) for part in parts}
+    bad = []
+    for path in sorted((PACKAGE / "engine").rglob("*.py")):
+        here = _engine_part(path)
+        if here == "__init__":
+            continue
+        where = path.relative_to(PACKAGE.parent)
+        if here not in row:
+            bad.append(f"{where} is in engine part {here!r}, which ENGINE_LAYERS does not place")
+            continue
+        reported = set()
+        for line, name in _imports(path):
+            if not name.startswith(ENGINE + "."):
+                continue
+            there = name.split(".")[2]
+            if there in (here, "__init__") or (line, there) in reported:
+                continue   # one report per import statement and part (not one per imported name)
+            reported.add((line, there))
+            if there not in row:
+                if (PACKAGE / "engine" / there).exists() or (PACKAGE / "engine" / f"{there}.py").exists():
+                    bad.append(f"{where}:{line} imports {name}, in engine part {there!r} that ENGINE_LAYERS does "
+                               "not place")
+                continue   # `from larql_desktop.engine import x` also lists the name `x` itself
+            if row[there] >= row[here]:
+                bad.append(f"{where}:{line} imports {name}: {here} may not import {there} "
+                           f"({'the same row' if row[there] == row[here] else 'a higher layer'})")
+    return bad
+
+
+def test_engine_parts_import_only_lower_layers():
+    assert _engine_violations() == []
+
+
+def test_the_engine_layers_catch_an_upward_import(tmp_path, monkeypatch):
+    """A function-level import of the cache by the model, one between neighbours of a row, and an unplaced part."""
+    fake = tmp_path / "larql_desktop"
+    for folder in ("engine/model", "engine/cache", "engine/extra"):
+        (fake / folder).mkdir(parents=True)
+    (fake / "engine" / "model" / "forward.py").write_text(
+        "from larql_desktop.engine.formats import gguf\n\ndef f():\n    from larql_desktop.engine.cache.walk import WalkFfn\n")
+    (fake / "engine" / "cache" / "walk.py").write_text("from larql_desktop.engine.model.forward import f\n")
+    (fake / "engine" / "chats.py").write_text("from larql_desktop.engine import services\n")
+    (fake / "engine" / "services.py").write_text("")
+    (fake / "engine" / "extra" / "thing.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert _engine_violations() == [
+        "larql_desktop/engine/chats.py:1 imports larql_desktop.engine.services: chats may not import services "
+        "(the same row)",
+        "larql_desktop/engine/extra/thing.py is in engine part 'extra', which ENGINE_LAYERS does not place",
+        "larql_desktop/engine/model/forward.py:4 imports larql_desktop.engine.cache.walk: model may not import "
+        "cache (a higher layer)"]
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))

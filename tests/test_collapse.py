@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from larql_desktop.engine.cache.collapse import (COMPUTATION, Fp32Forward, capture, compare_layer, prompt_ids,
+from larql_desktop.engine.analysis.collapse import (COMPUTATION, Fp32Forward, capture, compare_layer, prompt_ids,
                                                  resolve_sizes)
 from larql_desktop.engine.cache.keys import default_top_k
 from larql_desktop.engine.formats.quants import dequantize
@@ -167,7 +167,7 @@ def test_cli_refuses_one_prompt_and_bad_k():
 
 
 def test_progress_follows_each_prompt_and_a_stop_between_prompts_reports_nothing(smollm2):
-    from larql_desktop.engine.cache.collapse import CollapseCancelled, collapse
+    from larql_desktop.engine.analysis.collapse import CollapseCancelled, collapse
 
     forward = Fp32Forward(smollm2)
     prompts = ["Name a colour.", "Name a fruit.", "Name a river."]

@@ -1,11 +1,11 @@
-"""The feature view (engine/cache/features.py) on the real SmolLM2: strongest features, key and fired INSERTs."""
+"""The feature view (engine/analysis/features.py) on the real SmolLM2: strongest features, key and fired INSERTs."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from larql_desktop.engine.cache.collapse import prompt_ids
-from larql_desktop.engine.cache.features import feature_view, normed_ffn_input
+from larql_desktop.engine.analysis.collapse import prompt_ids
+from larql_desktop.engine.analysis.features import feature_view, normed_ffn_input
 from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine

@@ -12,8 +12,8 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
 
-from larql_desktop.engine.cache.collapse import COMPUTATION  # noqa: E402
-from larql_desktop.engine.cache.features import DEFAULT_TOP_N, feature_view  # noqa: E402
+from larql_desktop.engine.analysis.collapse import COMPUTATION  # noqa: E402
+from larql_desktop.engine.analysis.features import DEFAULT_TOP_N, feature_view  # noqa: E402
 from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES  # noqa: E402
 from larql_desktop.engine.cache.keys import default_top_k  # noqa: E402
 from larql_desktop.qt.qt_collapse_lab import CollapseProgress  # noqa: E402

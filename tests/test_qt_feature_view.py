@@ -8,7 +8,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import Qt  # noqa: E402
 
 import test_qt_chats as chats  # noqa: E402
-from larql_desktop.engine.cache.features import feature_view  # noqa: E402
+from larql_desktop.engine.analysis.features import feature_view  # noqa: E402
 from larql_desktop.qt.qt_feature_view import FeaturesResult, ShowFeatures  # noqa: E402
 
 # The chat tests' window fixtures and helpers (a fixture is found by its name in this module).

@@ -1,4 +1,4 @@
-"""The collapse lab: do the user's paraphrases reach the same cache entry? (engine/cache/collapse.py)
+"""The collapse lab: do the user's paraphrases reach the same cache entry? (engine/analysis/collapse.py)
 
 Prompts (one per line), K, Run. The measurement runs in the engine thread through a handler this panel registers
 on the worker (`register_handler`), on the numpy fp32 path (the model as its weights define it); each captured
@@ -23,7 +23,7 @@ from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.engine.cache.collapse import (COMPUTATION, CSV_HEADER, CollapseCancelled, CollapseReport, PairReport,
+from larql_desktop.engine.analysis.collapse import (COMPUTATION, CSV_HEADER, CollapseCancelled, CollapseReport, PairReport,
                                                  collapse, report_csv_rows)
 from larql_desktop.qt.protocol import ModelInfo
 from larql_desktop.qt.qt_feature_view import FeatureTable

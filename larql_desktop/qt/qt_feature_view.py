@@ -1,5 +1,5 @@
 """The feature table: for a selected token and layer, the strongest FFN features by gate score, which formed the
-cache key and which INSERT overrides fired (engine/cache/features.py).
+cache key and which INSERT overrides fired (engine/analysis/features.py).
 
 The request runs in the engine thread through a handler registered on the worker (`register_handler`). The token
 view's table rebuilds the pass a token was sampled from out of its chat session's token history (`set_token`);
@@ -13,7 +13,7 @@ from typing import Callable
 from PySide6.QtCore import Slot
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QSpinBox, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.engine.cache.features import FeatureView, feature_view
+from larql_desktop.engine.analysis.features import FeatureView, feature_view
 from larql_desktop.qt.qt_tables import read_only_table
 
 FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired")
