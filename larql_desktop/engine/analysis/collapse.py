@@ -7,8 +7,8 @@ sparse feature set, so one cache entry serves both. This module measures it on t
     prompt position (the position that predicts the reply's first token) of the prompt as the engine renders it:
     chat template with the generation prompt for chat models, plain text for base models;
   * their top-K overlap |A ∩ B| / K, A and B being the K features of largest |gate score| (the walk's selection,
-    `walk.select_features`, K the engine's default: 79% of the intermediate size);
-  * whether the cache keys are equal (`walk.feature_key` of `walk.key_features` at key width k');
+    `cache.keys.select_features`, K the engine's default: 79% of the intermediate size);
+  * whether the cache keys are equal (`cache.keys.feature_key` of `cache.keys.key_features` at key width k');
   * the same over a sweep of K and of k', beside the overlap two *random* K-subsets of F features already have
     in expectation: K / F. At the seed's K that is 0.79, so an overlap of 0.9 is little above chance, and equal
     keys need every one of ~1,200 ids to agree.

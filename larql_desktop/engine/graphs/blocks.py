@@ -1,6 +1,6 @@
 """Per-layer ONNX graphs for everything but the FFN, and the output head, run with onnxruntime.
 
-The numpy forward pass (model.py) spends most of a decode step on fp32 attention projections, the fp32 output
+The numpy forward pass (model/transformer.py) spends most of a decode step on fp32 attention projections, the fp32 output
 head and Python overhead. These graphs move that work into onnxruntime with the GGUF's own quant blocks
 (MatMulNBits, as the FFN graphs), leaving one call per layer around the FFN:
 
@@ -16,7 +16,7 @@ head and Python overhead. These graphs move that work into onnxruntime with the 
   head graph   h, f of the last layer -> logits = rms_norm(h + post_ffn_norm(f), output_norm) @ W_out.T
 
 The output head stays in its GGUF blocks (Q8_0 for both packaged models): no fp32 copy of a 262144 x 640
-matrix. Files go through graph_store.GraphStore like the FFN graphs (own manifest, own export format).
+matrix. Files go through graphs/store.py's GraphStore like the FFN graphs (own manifest, own export format).
 """
 from __future__ import annotations
 

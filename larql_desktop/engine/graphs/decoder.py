@@ -1,6 +1,6 @@
 """The whole model in one ONNX graph: every layer's attention and dense FFN, then the output head.
 
-The per-layer graphs (block_graphs + ffn_graphs) cost two onnxruntime calls per layer and more for the walk, so
+The per-layer graphs (graphs/blocks.py + graphs/ffn.py) cost two onnxruntime calls per layer and more for the walk, so
 a SmolLM2 decode step is 61 calls whose fixed costs (dispatch, waking the thread pool, binding) rival the matmuls.
 When every layer would run the plain dense FFN there is nothing to do between layers, so this graph runs them
 all in one call. Same kernels, 2 threads: SmolLM2 decode 46-50 -> 92-97 tok/s, Gemma 3 270M 35 -> 46 tok/s.

@@ -2,7 +2,7 @@
 
 The FFN is not computed here: each layer hands its normed FFN input to an `FfnCall`, which is exactly
 where the walk FFN and its activation cache attach. Everything else runs either in per-layer onnxruntime
-graphs (block_graphs.OnnxBlocks, attached with `use_graphs`: the fast path the app uses) or in numpy fp32 from
+graphs (graphs/blocks.py's OnnxBlocks, attached with `use_graphs`: the fast path the app uses) or in numpy fp32 from
 dequantised GGUF weights (the reference the graphs are tested against; weights dequantised on first use).
 """
 from __future__ import annotations
@@ -216,8 +216,8 @@ class TransformerModel:
         self._output_tensor = t.get("output.weight", self.token_embd)
         self._output_matrix: np.ndarray | None = None
         self.rope = RopeTables(cfg.head_dim)
-        self.graphs = None   # block_graphs.OnnxBlocks once attached: forward then runs in onnxruntime
-        self.decoder = None  # decoder_graph.OnnxDecoder: the whole model in one call, for plain dense passes
+        self.graphs = None   # graphs.blocks.OnnxBlocks once attached: forward then runs in onnxruntime
+        self.decoder = None  # graphs.decoder.OnnxDecoder: the whole model in one call, for plain dense passes
         self.softmax = None  # graphs.softmax.OnnxSoftmax over the vocabulary: a reply's token probabilities
 
     def use_graphs(self, graphs, decoder=None, softmax=None) -> None:
