@@ -52,6 +52,16 @@ def smollm2(app_paths):
     return load_model("smollm2", app_paths, threads=2)
 
 
+@pytest.fixture
+def smollm2_graphs_copy(smollm2, app_paths, tmp_path) -> Path:
+    """An onnx directory of the test's own holding a copy of SmolLM2's exported graphs: a test that damages
+    graph files damages these, never the session's, which later tests load (a failure half-way would leave
+    them broken)."""
+    onnx_dir = tmp_path / "onnx"
+    shutil.copytree(app_paths.onnx_dir / smollm2.checksum, onnx_dir / smollm2.checksum)   # times kept too
+    return onnx_dir
+
+
 @pytest.fixture(scope="session")
 def gemma3(app_paths):
     from larql_desktop.engine.loading import load_model
