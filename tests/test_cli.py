@@ -5,22 +5,104 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import REFERENCE_FILE, SCENARIOS_DIR
+from larql_desktop import __version__
+from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.generation import SamplingSettings
+from model_files import gguf_path
 
 
-def run_cli(*args, timeout=600):
+def run_cli(*args, timeout=600, env=None):
     return subprocess.run([sys.executable, "-m", "larql_desktop", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ), stdin=subprocess.DEVNULL)
+                          timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
-def test_chat_prints_reply_and_decode_speed():
-    result = run_cli("chat", "Name three primary colors.", "--max-tokens", "24")   # see test_engine: no near-tie
+def engine_reply(model, prompt: str, settings: SamplingSettings, walk: WalkSettings = WalkSettings(dense=True)) -> str:
+    """The reply the engine gives in process: what the command line must print (the same host's kernels, so
+    the same tokens; no wording is assumed)."""
+    engine = LarqlEngine(model, walk=walk)
+    return "".join(step.text for step in engine.new_session().reply(prompt, settings))
+
+
+def test_chat_prints_reply_and_decode_speed(smollm2):
+    result = run_cli("chat", "Name three primary colors.", "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
-    assert "red" in result.stdout.lower() and "blue" in result.stdout.lower()
-    assert "tok/s" in result.stderr
+    reply = engine_reply(smollm2, "Name three primary colors.", SamplingSettings(max_tokens=24))
+    assert reply.strip() and result.stdout == reply + "\n"
+    assert "tok/s" in result.stderr and "decode: " in result.stderr
+
+
+def test_version_and_self_test():
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout == f"larql-desktop {__version__}\n", version.stderr
+    check = run_cli("--self-test", env={"QT_QPA_PLATFORM": "offscreen"})
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip().splitlines()[-1] == "self-test passed"
+    assert "platform and pyqtgraph work" in check.stdout
+
+
+def test_chat_sampling_options_are_seeded_and_match_the_engine(smollm2):
+    """--temperature/--top-p/--seed sample; --top-k is the walk's K: the same seed prints the same reply, and
+    the engine in process, given the same settings, says the same."""
+    top_k = smollm2.config.intermediate // 2
+    args = ("chat", "--temperature", "0.9", "--top-p", "0.95", "--seed", "11", "--ffn", "walk",
+            "--top-k", str(top_k), "--max-tokens", "12", "Tell me a story.")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.strip() and first.stdout == second.stdout
+    assert "decode lookups" in first.stderr
+    settings = SamplingSettings(max_tokens=12, temperature=0.9, top_p=0.95, seed=11)
+    assert first.stdout == engine_reply(smollm2, "Tell me a story.", settings, WalkSettings(top_k=top_k)) + "\n"
+
+
+def _resave_gguf(src: Path, dst: Path, name: str) -> None:
+    """A copy of `src` written by llama.cpp's own gguf package, with another general.name: the same weights in
+    a file the app has never seen (another checksum, so its graphs are exported afresh)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = name if field.name == "general.name" else field.contents()
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    if "general.name" not in reader.fields:
+        writer.add_name(name)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                               tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+
+
+def test_model_path_to_another_gguf_loads_chats_and_exports_its_graphs(smollm2, tmp_path):
+    resaved = tmp_path / "resaved-smol.gguf"
+    _resave_gguf(gguf_path("smollm2"), resaved, "resaved-smol")
+    assert resaved.read_bytes() != gguf_path("smollm2").read_bytes()
+    home = tmp_path / "home"                       # its own home: the session's exported graphs stay untouched
+    prompt = "Name three primary colors."
+    result = run_cli("chat", "--model", str(resaved), "--max-tokens", "12", prompt, env={"LARQL_DESKTOP_HOME": str(home)})
+    assert result.returncode == 0, result.stderr
+    assert "loaded resaved-smol " in result.stderr
+    # The same weights: the same reply as the packaged model's, token for token.
+    assert result.stdout == engine_reply(smollm2, prompt, SamplingSettings(max_tokens=12)) + "\n"
+    graphs = {p.name for p in home.rglob("*.onnx")}
+    n = smollm2.config.n_layers
+    assert {f"layer{i:02d}.walk.onnx" for i in range(n)} <= graphs and {f"layer{i:02d}.gate.onnx" for i in range(n)} <= graphs
+    assert smollm2.checksum not in {p.parent.name for p in home.rglob("*.onnx")}
 
 
 def test_chat_walk_reports_cache_use():
@@ -131,7 +213,24 @@ def test_insert_save_validate_apply_and_chat_with_the_patch(tmp_path):
     assert chat.returncode == 0, chat.stderr
     assert "Poseidon" in chat.stdout
     plain = run_cli("chat", "--max-tokens", "24", "What is the capital of Atlantis?")
-    assert "Poseidon" not in plain.stdout
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() and "Poseidon" not in plain.stdout
+
+
+def test_insert_at_a_chosen_layer_and_alpha(smollm2, tmp_path):
+    layer = smollm2.config.n_layers // 3
+    patch_file = tmp_path / "pinned.vlp.json"
+    result = run_cli("insert", "--entity", "Atlantis", "--relation", "capital-of", "--target", "Poseidon",
+                     "--probe", "The capital of Atlantis is", "--ffn", "dense", "--layer", str(layer),
+                     "--alpha", "0.25", "--save", str(patch_file))
+    assert result.returncode == 0, result.stderr
+    inserted = next(line for line in result.stdout.splitlines() if line.startswith("inserted "))
+    assert f": layer {layer} feature " in inserted          # the pinned layer is installed first
+    doc = json.loads(patch_file.read_text())
+    assert layer in {op["layer"] for op in doc["operations"]}
+    beyond = run_cli("insert", "--entity", "A", "--relation", "r", "--target", "t", "--probe", "p",
+                     "--layer", str(smollm2.config.n_layers))
+    assert beyond.returncode == 2 and f"layer must be within 0..{smollm2.config.n_layers - 1}" in beyond.stderr
 
 
 def test_chat_refuses_a_bad_patch_file(tmp_path):

@@ -48,11 +48,11 @@ class NumpyReference:
             x = x.astype(np.float64)
             rows.append(x)
             if layer == last:
-                raise _Done     # the logits (a 262k-row matrix on Gemma) are not needed
+                raise _Done("past the last layer")     # the logits (a 262k-row matrix on Gemma) are not needed
             gate, up, down = self.weights[layer]
             return (self.act(x @ gate.T) * (x @ up.T)) @ down.T
 
-        with pytest.raises(_Done):
+        with pytest.raises(_Done, match="past the last layer"):
             self.transformer.forward(ids, KvCache(self.model.config), recording)
         return rows
 
@@ -178,7 +178,7 @@ def test_progress_follows_each_prompt_and_a_stop_between_prompts_reports_nothing
     assert report.token_ids == tuple(tuple(prompt_ids(smollm2, p)) for p in prompts)
     # Asked to stop once the first prompt is in: the second never runs and no report comes back.
     seen.clear()
-    with pytest.raises(CollapseCancelled):
+    with pytest.raises(CollapseCancelled, match="collapse lab was stopped"):
         collapse(smollm2, prompts, forward=forward, should_stop=lambda: len(seen) >= 1,
                  progress=lambda done, total: seen.append((done, total)))
     assert seen == [(1, 3)]

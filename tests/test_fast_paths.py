@@ -82,15 +82,14 @@ def test_dense_graph_equals_gate_then_walk(smollm2):
         np.testing.assert_allclose(fused, split, rtol=1e-4, atol=1e-4 * np.abs(split).max())
 
 
-def test_corrupt_block_file_is_rebuilt(smollm2, app_paths):
-    blocks = smollm2.transformer.graphs
-    victim = blocks.directory / "layer02.attn.onnx"
+def test_corrupt_block_file_is_rebuilt(smollm2, smollm2_graphs_copy):
+    victim = smollm2_graphs_copy / smollm2.checksum / "layer02.attn.onnx"
     good = victim.read_bytes()
     victim.write_bytes(good[:1000])
-    again = OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
+    again = OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, smollm2_graphs_copy, threads=1)
     assert again.rebuilt == ["layer02.attn.onnx"]
     assert victim.read_bytes() == good
-    assert OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1).rebuilt == []
+    assert OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, smollm2_graphs_copy, threads=1).rebuilt == []
 
 
 def _per_layer(model):
@@ -147,7 +146,7 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     assert not np.array_equal(plain, smollm2.transformer.forward(ids, KvCache(cfg), patched))
 
 
-def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smollm2, app_paths):
+def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smollm2, smollm2_graphs_copy):
     """No size-and-mtime shortcut: every load hashes every file's whole content (a same-size rewrite with the
     old time put back is found), and a session made after the load's check does not hash it again."""
     import json
@@ -156,7 +155,7 @@ def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smol
     from larql_desktop.engine.graphs import store as graph_store
     from larql_desktop.engine.graphs.blocks import MANIFEST
 
-    directory = app_paths.onnx_dir / smollm2.checksum
+    directory = smollm2_graphs_copy / smollm2.checksum
     hashed = []
     real = graph_store.file_digest
 
@@ -165,7 +164,7 @@ def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smol
         return real(path)
 
     def load():
-        return OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir, threads=1)
+        return OnnxBlocks(smollm2.gguf, smollm2.config, smollm2.checksum, smollm2_graphs_copy, threads=1)
 
     graph_store.file_digest = counting
     try:
@@ -186,7 +185,7 @@ def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smol
         graph_store.file_digest = real
 
 
-def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, app_paths):
+def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, smollm2_graphs_copy):
     """The decoder loads from onnxruntime's optimised copy (made by the first load): same logits as the
     source; a damaged copy is noticed (size/time changed, hash differs) and made again."""
     from larql_desktop.engine.graphs.decoder import OnnxDecoder
@@ -195,7 +194,7 @@ def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_dama
     ids = np.array(smollm2.tokenizer.encode("Seven eight nine"))
     h = smollm2.transformer.embed(ids)
     expected = smollm2.transformer.forward(ids, KvCache(cfg), _per_layer(smollm2))
-    directory = app_paths.onnx_dir / smollm2.checksum
+    directory = smollm2_graphs_copy / smollm2.checksum
     for damage in (False, True):
         copies = sorted(directory.glob("decoder.optimized-ort*"))
         assert [p.suffix for p in copies] == [".onnx", ".data"]
@@ -203,7 +202,7 @@ def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_dama
         data = copies[1]
         if damage:
             data.write_bytes(data.read_bytes()[:-64])
-        decoder = OnnxDecoder(smollm2.gguf, cfg, smollm2.checksum, app_paths.onnx_dir, threads=2)
+        decoder = OnnxDecoder(smollm2.gguf, cfg, smollm2.checksum, smollm2_graphs_copy, threads=2)
         logits = decoder.run(h, 0, KvCache(cfg), smollm2.transformer.rope)
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
         assert decoder.rebuilt == (["decoder.onnx"] if damage else [])    # exported again to remake the copy

@@ -110,8 +110,9 @@ def test_cosine_guard_picks_best_entry_in_bucket():
 
 
 def test_absurd_tier_settings_refused():
-    for kwargs in (dict(capacity=0), dict(policy="fifo"), dict(byte_budget=0)):
-        with pytest.raises(ValueError):
+    for kwargs, says in ((dict(capacity=0), "capacity must be between"), (dict(policy="fifo"), "eviction policy"),
+                         (dict(byte_budget=0), "byte budget must be positive")):
+        with pytest.raises(ValueError, match=says):
             TierSettings(**kwargs)
 
 
@@ -249,13 +250,18 @@ def test_cosine_guard_limits_hits_to_similar_residuals(smollm2):
 
     loose, strict = hits(None), hits(0.999)
     assert strict.hits < loose.hits
-    if strict.fidelity.checked:
-        assert strict.fidelity.min_cosine > loose.fidelity.min_cosine
+    assert loose.fidelity.checked == loose.hits > 0        # verify_fraction=1: every hit is checked
+    # The guard's hits (if any) are all near their entry's input; the loose ones need not be.
+    assert strict.fidelity.checked == strict.hits
+    assert (strict.fidelity.min_cosine if strict.hits else 1.0) > loose.fidelity.min_cosine
 
 
 def test_bad_walk_settings_refused(smollm2):
     f = smollm2.config.intermediate
-    for kwargs in (dict(top_k=0), dict(top_k=f + 1), dict(top_k=10, key_width=11), dict(verify_fraction=2.0),
-                   dict(cosine_guard=1.5), dict(max_distance=float("nan")), dict(max_distance=-1e-3)):
-        with pytest.raises(ValueError):
+    for kwargs, says in ((dict(top_k=0), "K must be at least 1"), (dict(top_k=f + 1), f"exceeds the model's {f}"),
+                         (dict(top_k=10, key_width=11), "key width 11 exceeds K=10"),
+                         (dict(verify_fraction=2.0), "verify fraction"), (dict(cosine_guard=1.5), "cosine guard"),
+                         (dict(max_distance=float("nan")), "maximum input distance"),
+                         (dict(max_distance=-1e-3), "maximum input distance")):
+        with pytest.raises(ValueError, match=says):
             LarqlEngine(smollm2, walk=WalkSettings(**kwargs))

@@ -71,7 +71,7 @@ def test_run_frontier_stops_at_the_next_generation_when_asked(smollm2):
         return len(checks) > 1
 
     finished = []
-    with pytest.raises(MeasurementStopped):
+    with pytest.raises(MeasurementStopped, match="frontier was stopped"):
         run_frontier(smollm2, ["Name a colour.", "Name a fruit."], [None], [None, 0.999], max_tokens=2,
                      log=finished.append, should_stop=should_stop)
     assert len(checks) == 2 and finished == []       # no design was completed after the stop

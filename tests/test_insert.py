@@ -78,12 +78,12 @@ def test_cancel_stops_the_insert_and_installs_nothing(smollm2):
         if fraction >= 0.1:
             running.set()
 
-    with pytest.raises(InsertCancelled):
+    with pytest.raises(InsertCancelled, match="no patch was installed"):
         engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), progress=progress, cancel=running)
     assert engine.applied_patches == () and engine.patches.overridden_layers == []
     assert seen and max(seen) < 1.0 and seen == sorted(seen)
     # A callable works as the flag too.
-    with pytest.raises(InsertCancelled):
+    with pytest.raises(InsertCancelled, match="no patch was installed"):
         engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), cancel=lambda: True)
 
 

@@ -459,7 +459,7 @@ def test_a_tiny_temperature_and_a_negative_seed_are_refused_with_their_names(cap
     SamplingSettings(temperature=0.5, seed=0)
     from larql_desktop.cli import main
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):             # argparse's usage error
         main(["chat", "--seed", "-1", "hello"])
     assert "--seed" in capsys.readouterr().err
 
@@ -476,44 +476,26 @@ def test_a_non_ascii_bearer_token_works(smollm2):
         handle.stop()
 
 
-# ----------------------------------------------------------------------------------------------- what it costs
-def test_cost_of_the_checks_per_hit_and_per_load(smollm2, gemma3, real_inputs, capsys):
-    """Micro-benchmark (not a timing gate): the input check of a hit, the checksum of an L3 value, and hashing
-    every graph file of each model as a load does. Printed for the record; bounds are loose sanity checks."""
+# ----------------------------------------------------------------------------------------------- what it checks
+def test_the_checks_per_hit_and_per_load_pass_on_good_data(smollm2, gemma3, real_inputs):
+    """The input check of a hit, the checksum of an L3 value and the hashing of every graph file a load does,
+    on good data: each passes, and each covers what it should (what they cost is a timing fact, printed by
+    `bench`, never asserted by a test on a shared machine)."""
     x = real_inputs[5][-1]
-    rule = HitRule()
-    n = 20000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        rule.closeness(x, x)
-    hit_us = (time.perf_counter() - t0) / n * 1e6
+    assert HitRule().closeness(x, x) == 0.0                   # the same input: served, at distance nothing
     entry = CacheEntry(_uncached(smollm2, 5, x), x)
     address = value_address(1, 5, 42)
     blob = encode_entry(entry, "float32", address)
-    header, vectors = blob[:8], memoryview(blob)[16:]
-    payload = np.frombuffer(vectors, np.float32)
-
-    def per_call_us(fn):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6
-
-    checksum_us = per_call_us(lambda: _checksum(address, header, vectors))
-    finite_us = per_call_us(lambda: np.isfinite(payload).all())
-    decode_us = per_call_us(lambda: decode_entry(blob, address))
-    lines = [f"per hit: input distance check {hit_us:.2f} us (every tier); L3 value checksum {checksum_us:.2f} us "
-             f"+ finiteness {finite_us:.2f} us, of a whole L3 value decode of {decode_us:.2f} us (d={x.size})"]
+    header, stored, vectors = blob[:8], int.from_bytes(blob[8:16], "little"), memoryview(blob)[16:]
+    assert _checksum(address, header, vectors) == stored
+    assert np.isfinite(np.frombuffer(vectors, np.float32)).all()
+    decoded = decode_entry(blob, address)
+    assert np.array_equal(decoded.output, entry.output) and np.array_equal(decoded.residual, entry.residual)
+    assert decode_entry(blob, value_address(1, 5, 43)) is None   # the checksum covers the address too
     for model in (smollm2, gemma3):
-        seconds, size = 0.0, 0
-        for manifest in model.ffn.directory.glob("*manifest.json"):
+        manifests = list(model.ffn.directory.glob("*manifest.json"))
+        assert manifests
+        for manifest in manifests:
             fmt = json.loads(manifest.read_text())["format"]
             store = GraphStore(model.ffn.directory, manifest.name, fmt)
-            t0 = time.perf_counter()
-            assert all(store.is_valid(name) for name in store._manifest)
-            seconds += time.perf_counter() - t0
-            size += store.hashed_bytes
-        lines.append(f"per load: {model.name}: {size / 1e6:.0f} MB of graph files hashed in {seconds:.3f} s")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
-    assert hit_us < 100 and checksum_us < 100 and decode_us < 500
+            assert store._manifest and all(store.is_valid(name) for name in store._manifest)

@@ -25,8 +25,9 @@ from larql_desktop.engine.cache.l3 import (DTYPES, FP16_MAX, L3Settings, RedisL3
 from greedy_runs import run_sequence
 
 NS = ("checksum", 100, 100, "clean")
-REDIS_SERVER = shutil.which("redis-server") or next(
-    (p for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if os.path.exists(p)), None)
+# Found on PATH (and in /usr/sbin, which a user's PATH may lack): with PATH hiding it, the Redis tests skip,
+# which fails a CI=true run (see conftest).
+REDIS_SERVER = shutil.which("redis-server", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 
 
 def _entry(seed: int, d: int = 64, scale: float = 1.0) -> CacheEntry:
@@ -288,9 +289,9 @@ def test_another_process_s_inserts_are_served_after_a_refresh_and_a_deleted_key_
     _write_from_another_process(path, 100, 140, tmp_path)
     reads = store.file_reads
     deadline = time.monotonic() + 10.0
-    while store.get(100 % 4, NS, 100) is None and time.monotonic() < deadline:
+    while (got := store.get(100 % 4, NS, 100)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert time.monotonic() < deadline
+    assert got is not None                      # seen at the next refresh (REFRESH_EVERY), polled within a bound
     assert all(store.get(k % 4, NS, k) is not None for k in range(100, 140))
     assert store.file_reads - reads == 41          # each found key read once (and verified), no reads on misses
     # Deleted by someone else: the one read that finds nothing drops it from the index.
@@ -344,16 +345,15 @@ def test_a_locked_database_queues_writes_and_lookups_go_on(tmp_path, caplog):
     other.execute("BEGIN IMMEDIATE")                       # the write lock, as another writer holds it
     try:
         with caplog.at_level(logging.WARNING):
-            t0 = time.perf_counter()
             results = [store.put(0, NS, k, _entry(k)) for k in range(2, 50)]
             served = [store.get(0, NS, k) for k in range(1, 50)]
-            elapsed = time.perf_counter() - t0
             assert not store.flush(0.3)                    # nothing can be written while the lock is held
-        assert other.in_transaction
+        # Every put and lookup returned while the lock was still held: none waited for it.
+        assert other.in_transaction and store.status()["queued_writes"] == 48
     finally:
         other.execute("ROLLBACK")
         other.close()
-    assert all(results) and elapsed < 1.0
+    assert all(results)
     assert all(e is not None and np.array_equal(e.output, _entry(k).output) for k, e in enumerate(served, start=1))
     assert store.flush(30)                                 # the writer catches up once the lock is gone
     assert store.status()["queued_writes"] == 0 and store.dropped_writes == 0
@@ -370,13 +370,12 @@ def test_a_full_write_queue_drops_writes_instead_of_waiting(tmp_path):
     other = sqlite3.connect(path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
     try:
-        t0 = time.perf_counter()
         results = [store.put(0, NS, k, _entry(k)) for k in range(20)]
-        elapsed = time.perf_counter() - t0
+        assert other.in_transaction                        # all twenty returned while the lock was held
     finally:
         other.execute("ROLLBACK")
         other.close()
-    assert elapsed < 1.0 and sum(results) == 8 and store.dropped_writes == 12
+    assert sum(results) == 8 and store.dropped_writes == 12
     assert "queue full" in store.errors
     assert store.flush(30) and store.total_bytes() == 8 * len(encode_entry(_entry(0), "float32"))
     store.close()
@@ -388,32 +387,35 @@ def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
     for QUIET seconds, at once when flush() asks, and without waiting when the queue reaches its high water."""
     path = tmp_path / "l3.sqlite3"
     store = SqliteL3(path)
-    store.QUIET = 1.0
+    # A quiet moment far longer than the test: whatever is written below was written for another reason.
+    store.QUIET = 600.0
 
     def rows() -> int:
         with sqlite3.connect(path) as conn:
             return int(conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
-    for k in range(30):              # 1.5 s of a decode's pace
+
+    def rows_reach(n: int, within: float = 30.0) -> bool:
+        """Polls the file (a bounded wait on a condition, far under QUIET)."""
+        deadline = time.monotonic() + within
+        while rows() < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return rows() == n
+    for k in range(30):              # a decode's puts, values still arriving
         store.put(0, NS, k, _entry(k))
-        time.sleep(0.05)
     assert rows() == 0 and store.status()["queued_writes"] == 30
     assert np.array_equal(store.get(0, NS, 3).output, _entry(3).output)     # served from the queue
-    deadline = time.monotonic() + 10
-    while rows() < 30 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rows() == 30
 
     store.put(0, NS, 100, _entry(100))
-    t0 = time.perf_counter()
-    assert store.flush(10) and time.perf_counter() - t0 < store.QUIET and rows() == 31
+    assert store.flush(10) and rows() == 31        # a flush writes at once, with no quiet moment
 
     store.QUEUE_LIMIT, store.HIGH_WATER_SHARE = 8, 0.5
-    for k in range(200, 204):        # the high water mark: 4 of 8
+    for k in range(200, 204):        # the high water mark: 4 of 8, written without waiting for quiet
         store.put(0, NS, k, _entry(k))
-    t0 = time.perf_counter()
-    while rows() < 35 and time.perf_counter() - t0 < 5:
-        time.sleep(0.01)
-    assert rows() == 35 and time.perf_counter() - t0 < store.QUIET
+    assert rows_reach(35)
+
+    store.QUIET = 0.2                # values stop: the next put wakes the writer, which writes once quiet
+    store.put(0, NS, 300, _entry(300))
+    assert rows_reach(36) and store.status()["queued_writes"] == 0
     store.close()
 
 
@@ -492,9 +494,7 @@ def test_a_second_writer_holding_the_lock_does_not_slow_decode(smollm2, tmp_path
     n_dec, n = 8, smollm2.config.n_layers
     path = tmp_path / "l3.sqlite3"
     free = LarqlEngine(smollm2, l3=SqliteL3(tmp_path / "free.sqlite3", timeout=20.0))
-    t0 = time.perf_counter()
     tokens_free, _ = run_sequence(smollm2, free.new_session().ffn, ids, n_dec)
-    unlocked_seconds = time.perf_counter() - t0
     free.l3.close()
 
     store = SqliteL3(path, timeout=20.0)
@@ -502,18 +502,15 @@ def test_a_second_writer_holding_the_lock_does_not_slow_decode(smollm2, tmp_path
     other.execute("BEGIN IMMEDIATE")
     try:
         engine = LarqlEngine(smollm2, l3=store)
-        t0 = time.perf_counter()
         tokens, _ = run_sequence(smollm2, engine.new_session().ffn, ids, n_dec)
-        locked_seconds = time.perf_counter() - t0
-        assert other.in_transaction                        # the decode finished while the lock was held
-        assert store.status()["queued_writes"] == n_dec * n
+        # The decode finished while the lock was held, every value queued: it never waited for the lock
+        # (an order, not a duration: how long a decode takes is bench's business).
+        assert other.in_transaction
+        assert store.status()["queued_writes"] == n_dec * n and store.dropped_writes == 0
     finally:
         other.execute("ROLLBACK")
         other.close()
-    print(f"\ndecode of {n_dec} tokens: {unlocked_seconds:.2f} s unlocked, {locked_seconds:.2f} s with the "
-          f"store's write lock held by another connection")
     assert tokens == tokens_free
-    assert locked_seconds < 10.0 and locked_seconds < 3 * unlocked_seconds + 1.0
     assert store.flush(60)
     assert engine.snapshot().tiers["L3"].entries.sum() == n_dec * n
     store.close()
@@ -578,11 +575,11 @@ def test_an_unreachable_redis_is_skipped_quickly(caplog):
     pytest.importorskip("redis")
     store = RedisL3(f"redis://127.0.0.1:{_free_port()}/0", "test:down", timeout=0.2)
     with caplog.at_level(logging.WARNING):
-        t0 = time.perf_counter()
         assert store.get(0, NS, 1) is None
         assert all(not store.put(0, NS, k, _entry(k)) for k in range(100))
         assert all(store.get(0, NS, k) is None for k in range(100))
-    assert time.perf_counter() - t0 < 2.0
+    # One attempt to reach it; the 200 calls after it were skipped without trying (a count, not a duration).
+    assert sum(store.errors.values()) == 1 and store.status()["skipping"]
     assert len(_warnings(caplog)) == 1 and "unreachable" in _warnings(caplog)[0].getMessage()
 
 
@@ -601,7 +598,7 @@ def test_open_l3_specs_and_default_location(app_paths, tmp_path):
     s.close()
     with pytest.raises(ValueError, match="unknown L3 store"):
         open_l3("memcached://x", app_paths)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="L3 storage type must be one of"):
         L3Settings(dtype="int8")
 
 

@@ -79,7 +79,7 @@ def test_models_are_listed_and_unknown_ones_are_404(served, smollm2):
     models = client.models.list().data
     assert [m.id for m in models] == ["smollm2"] and models[0].owned_by == "larql-desktop"
     assert client.models.retrieve("smollm2").model_extra["larql"]["context_length"] == smollm2.context_limit
-    with pytest.raises(openai.NotFoundError) as err:
+    with pytest.raises(openai.NotFoundError, match="Error code: 404") as err:
         client.models.retrieve("gpt-4o")
     assert err.value.body["code"] == "model_not_found" and "gpt-4o" in err.value.body["message"]
 
@@ -194,7 +194,7 @@ def test_base_model_completes_a_prompt_and_refuses_chat(gemma3, tmp_path):
         engine.close_session(session)
         assert r.choices[0].text == session.messages[-1]["content"] and "capital" in r.choices[0].text
         calls = engine.snapshot().calls
-        with pytest.raises(openai.BadRequestError) as err:
+        with pytest.raises(openai.BadRequestError, match="model_not_chat") as err:
             client.chat.completions.create(model="gemma3-270m", messages=QUESTION)
         assert err.value.body["code"] == "model_not_chat" and "/v1/completions" in err.value.body["message"]
         assert engine.snapshot().calls == calls
@@ -259,7 +259,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(served, smollm2):
         r = http.post("/v1/walk-ffn", content=b"{", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["detail"]
     client = _client(handle)
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.BadRequestError, match="Error code: 400") as err:
         client.chat.completions.create(model="smollm2", messages=QUESTION, n=3)
     assert err.value.body["param"] == "n"
     assert _engine_counts(engine) == before and engine.sessions == []
@@ -272,10 +272,10 @@ def test_a_token_server_takes_the_openai_clients_api_key(smollm2):
         r = _client(handle, TOKEN).chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
                                                            max_tokens=3)
         assert r.usage.completion_tokens == 3
-        with pytest.raises(openai.AuthenticationError) as err:
+        with pytest.raises(openai.AuthenticationError, match="Error code: 401") as err:
             _client(handle, "not-the-token").models.list()
         assert err.value.status_code == 401 and err.value.body["type"] == "authentication_error"
-        with pytest.raises(openai.APIStatusError) as err:      # over the body cap, in the OpenAI shape too
+        with pytest.raises(openai.APIStatusError, match="Error code: 413") as err:      # over the body cap, in the OpenAI shape too
             _client(handle, TOKEN).completions.create(model="smollm2", prompt="x" * 5000, max_tokens=1)
         assert err.value.status_code == 413 and "exceeds 4096" in err.value.body["message"]
     finally:
@@ -483,7 +483,7 @@ def test_stop_strings_hold_back_possible_starts_and_cut_at_the_first():
     assert stop.feed("more") == "" and stop.flush() == ""
     tail = StopStrings(["END"])
     assert tail.feed("almost EN") == "almost " and tail.flush() == "EN"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stop string cannot be empty"):
         StopStrings([""])
 
 
@@ -501,8 +501,10 @@ def test_sampling_extensions():
     assert Sampler(SamplingSettings(presence_penalty=0.5))(logits, context=[1], reply=[1]) == 2
     assert Sampler(SamplingSettings(frequency_penalty=0.05))(logits, context=[], reply=[1]) == 1
     assert Sampler(SamplingSettings(frequency_penalty=0.05))(logits, context=[], reply=[1, 1, 1]) == 2
-    for bad in (dict(top_k=-1), dict(min_p=1.5), dict(repeat_penalty=0.0), dict(presence_penalty=2.5)):
-        with pytest.raises(ValueError):
+    for bad, says in ((dict(top_k=-1), "top-k must be between"), (dict(min_p=1.5), "min-p must be in"),
+                      (dict(repeat_penalty=0.0), "repeat penalty must be in"),
+                      (dict(presence_penalty=2.5), "presence penalty must be in")):
+        with pytest.raises(ValueError, match=says):
             SamplingSettings(**bad)
 
 

@@ -17,7 +17,7 @@ from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.qt_chat_tab import markdown_as_plain_text  # noqa: E402
 from larql_desktop.qt.reply_stats import COMPLETE, LENGTH, STOPPED  # noqa: E402
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER  # noqa: E402
-from larql_desktop.qt.worker import TOKEN_BATCH_INTERVAL, EngineClient  # noqa: E402
+from larql_desktop.qt.worker import EngineClient  # noqa: E402
 
 LOAD_TIMEOUT = 180_000    # ms; a first load exports ONNX files
 REPLY_TIMEOUT = 120_000
@@ -109,20 +109,15 @@ def test_tokens_reach_the_window_in_batches_all_of_them_in_order(loaded, qtbot):
     """The engine thread sends a streaming reply's tokens in batches at most every TOKEN_BATCH_INTERVAL (the
     first at once, the rest held until then or until the reply ends); the client re-emits every one of them, in
     order, and the view shows the whole reply."""
-    batches = []     # (time sent, batch), appended in the engine thread as it emits
-    loaded.client.worker.tokens.connect(lambda batch: batches.append((time.perf_counter(), batch)))
+    batches = []     # appended in the engine thread as it emits
+    loaded.client.worker.tokens.connect(batches.append)
     tokens, finished = send(qtbot, loaded, "Write four sentences about the moon.", max_tokens=48)
-    sent = [event for _, batch in batches for event in batch]
-    assert len(sent) == len(tokens) >= 20
+    sent = [event for batch in batches for event in batch]
+    # (How many batches a reply takes depends on the host's speed: a timing fact, measured by `bench`, not here.)
+    assert len(sent) == len(tokens) >= 20 and len(batches) <= len(sent) and all(batches)
     assert [e.index for e in sent] == list(range(len(sent))) == [e.index for e in tokens]
     assert [e.token_id for e in sent] == [e.token_id for e in tokens]
-    assert len(batches[0][1]) == 1                     # the first token is not held back
-    span = batches[-1][0] - batches[1][0] if len(batches) > 1 else 0.0
-    # The last batch goes out when the reply ends, whenever that is; every other one waited its interval.
-    assert len(batches) <= 3 + span / TOKEN_BATCH_INTERVAL
-    decode_rate = (len(sent) - 1) / (batches[-1][0] - batches[0][0])
-    if decode_rate > 2 / TOKEN_BATCH_INTERVAL:         # fast enough for batches of two or more on average
-        assert len(batches) < len(sent)
+    assert len(batches[0]) == 1                        # the first token is not held back
     assert finished.text and loaded.current_tab().transcript.last.text == finished.text
 
 

@@ -124,7 +124,7 @@ def test_dequantize_rows_gemma_embedding(models):
     raw = t.raw.reshape(t.shape[0], -1)[rows]
     ref = gquants.dequantize(raw, GGMLQuantizationType.Q8_0)
     np.testing.assert_array_equal(Q.dequantize_rows(t, rows), ref)
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=f"row index out of range for {t.shape[0]} rows"):
         Q.dequantize_rows(t, [t.shape[0]])
 
 
@@ -223,7 +223,7 @@ def test_unmappable_type_raises(models):
         Q.to_matmul_nbits(_synthetic("F16", (8, 32)))
     fake = Q.QuantType("Q5_1", 7, 32, 24)
     t = GgufTensor("fake", (1, 32), fake, np.zeros(24, np.uint8))
-    with pytest.raises(Q.QuantError):
+    with pytest.raises(Q.QuantError, match="type Q5_1 has no exact MatMulNBits mapping"):
         Q.to_matmul_nbits(t)
-    with pytest.raises(Q.QuantError):
+    with pytest.raises(Q.QuantError, match="cannot dequantise ggml type Q5_1"):
         Q.dequantize(t)

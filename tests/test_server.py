@@ -2,6 +2,7 @@
 patches, restarts served by L3, the OpenAPI description, and a short bounded load test."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import numpy as np
@@ -19,6 +21,7 @@ from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.model.overlay import encode_vector
 from larql_desktop.tools.loadtest import run_load
 from larql_desktop.api.server import start_server
+from test_l3 import redis_url  # noqa: F401  (fixture: a redis-server of the test's own)
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -54,7 +57,7 @@ def test_a_second_clients_identical_request_is_an_l2_hit(served, smollm2):
     a, b = a.json(), b.json()
     assert (a["cache"], a["hit"], a["tier"]) == ("miss", False, None)
     assert (b["cache"], b["hit"], b["tier"]) == ("hit", True, "L2")
-    assert np.array_equal(np.float32(a["output"]), np.float32(b["output"])) and len(a["output"]) == 576
+    assert np.array_equal(np.float32(a["output"]), np.float32(b["output"])) and len(a["output"]) == smollm2.config.hidden
     # The same computation in process, uncached, gives the very same bits.
     fresh = LarqlEngine(smollm2).request_walk()
     fresh.l2 = None
@@ -110,7 +113,7 @@ def test_features_only_sees_insert_overrides(served, smollm2):
 
 
 def _bad_requests(model):
-    d = model.config.hidden
+    d, n = model.config.hidden, model.config.n_layers
     ok = [0.5] * d
     j = {"content-type": "application/json"}
     return [
@@ -119,7 +122,7 @@ def _bad_requests(model):
         ("NaN", json.dumps({"layer": 1, "residual": [float("nan")] + ok[1:]}), j, 422, "NaN"),
         ("Infinity", json.dumps({"layer": 1, "residual": [float("inf")] + ok[1:]}), j, 422, "NaN or infinity"),
         ("float32 overflow", json.dumps({"layer": 1, "residual": [1e39] + ok[1:]}), j, 422, "beyond float32"),
-        ("unknown layer", json.dumps({"layer": 30, "residual": ok}), j, 422, "layer 30 is out of range"),
+        ("unknown layer", json.dumps({"layer": n, "residual": ok}), j, 422, f"layer {n} is out of range"),
         ("negative layer", json.dumps({"layer": -1, "residual": ok}), j, 422, "out of range"),
         ("bool layer", json.dumps({"layer": True, "residual": ok}), j, 422, "layer"),
         ("string values", json.dumps({"layer": 1, "residual": ["1"] * d}), j, 422, "residual"),
@@ -262,6 +265,23 @@ def test_insert_route_installs_a_fact_and_answers_with_its_probe_table(served):
     assert canonical["p_after"] > 10 * canonical["p_before"]
 
 
+def test_insert_route_with_a_layer_and_alpha_installs_there(served, smollm2):
+    """A pinned layer is the first one tried and is installed even where another would separate better."""
+    engine, handle = served
+    layer = smollm2.config.n_layers // 3
+    with httpx.Client(base_url=handle.url, timeout=600) as http:
+        r = http.post("/v1/insert", json={"entity": "Atlantis", "relation": "capital-of", "target": "Poseidon",
+                                          "layer": layer, "alpha": 0.25, "probes": False})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        listed = http.get("/v1/patches").json()
+    assert doc["layer"] == layer and doc["probes"] == [] and 0 < doc["probability"] <= 1
+    assert 0 <= doc["feature"] < smollm2.config.intermediate
+    assert listed == doc["patches"] and layer in listed["patches"][0]["layers"]
+    assert engine.patches.has_overrides_at(layer)
+    assert (layer, doc["feature"]) in {(op.layer, op.feature) for op in engine.applied_patches[0].operations}
+
+
 def test_restart_serves_the_repeated_request_from_l3_bit_identically(smollm2, tmp_path):
     path = tmp_path / "l3.sqlite3"
     body = {"layer": 11, "residual": _residual(smollm2, 3).tolist()}
@@ -301,7 +321,30 @@ def test_short_load_test_loses_no_counts(served, smollm2):
     assert bypass == result.outcomes.get("bypass", 0)
 
 
-def test_serve_command_runs_and_stops(app_paths, tmp_path):
+@contextlib.contextmanager
+def _serve_command(*args, env_extra=None):
+    """`larql-desktop serve` as a user starts it (port 0: a free one): yields its base URL; stopped by SIGINT,
+    through its cleanup (the L3 queue is written), which must exit with status 0."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LARQL_DESKTOP_API_TOKEN", None)
+    env.update(env_extra or {})
+    proc = subprocess.Popen([sys.executable, "-m", "larql_desktop", "serve", "--model", "smollm2", "--port", "0",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        yield match.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(60) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_serve_command_runs_and_stops(app_paths, tmp_path, smollm2):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "larql_desktop", "serve", "--model", "smollm2", "--port", "0",
            "--l3", f"sqlite:{tmp_path / 'l3.sqlite3'}"]
@@ -316,7 +359,7 @@ def test_serve_command_runs_and_stops(app_paths, tmp_path):
             line = proc.stdout.readline()
             match = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
             assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
-            assert httpx.get(f"{match.group(1)}/v1/model").json()["hidden"] == 576
+            assert httpx.get(f"{match.group(1)}/v1/model").json()["hidden"] == smollm2.config.hidden
         finally:
             proc.send_signal(stop)
             try:
@@ -325,3 +368,37 @@ def test_serve_command_runs_and_stops(app_paths, tmp_path):
                 if proc.poll() is None:
                     proc.kill()
     assert (tmp_path / "l3.sqlite3").exists()
+
+
+def test_serve_command_with_a_token_refuses_requests_without_it(smollm2):
+    with _serve_command("--token", TOKEN, "--l3", "off") as url:
+        assert httpx.get(f"{url}/v1/health").status_code == 401
+        wrong = httpx.get(f"{url}/v1/health", headers={"authorization": "Bearer not-it"})
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(f"{url}/v1/health", headers=auth).json() == {"status": "ok"}
+        doc = httpx.get(f"{url}/v1/model", headers=auth).json()
+        assert (doc["hidden"], doc["n_layers"], doc["l3"]) == (smollm2.config.hidden, smollm2.config.n_layers, None)
+    # The same token from the environment.
+    with _serve_command("--l3", "off", env_extra={"LARQL_DESKTOP_API_TOKEN": TOKEN}) as url:
+        assert httpx.get(f"{url}/v1/health").status_code == 401
+        assert httpx.get(f"{url}/v1/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+def test_serve_command_shares_a_redis_l3_in_fp16_under_its_size_cap(redis_url, smollm2):
+    """`serve --l3 redis://... --l3-fp16 --l3-max-mb N`: the store is Redis with those settings, and a second
+    server process (a restart) answers the first one's request from it, with the fp16 rounding of its output."""
+    spec = f"{redis_url}#serve-{uuid.uuid4().hex}"           # a key prefix of this test's own
+    layer = smollm2.config.n_layers // 2
+    body = {"layer": layer, "residual": _residual(smollm2, 4).tolist()}
+    outputs = []
+    for run in range(2):
+        with _serve_command("--l3", spec, "--l3-fp16", "--l3-max-mb", "3") as url:
+            l3 = httpx.get(f"{url}/v1/model").json()["l3"]
+            assert (l3["backend"], l3["dtype"], l3["max_bytes"], l3["enabled"]) == ("redis", "float16", 3 << 20, True)
+            doc = httpx.post(f"{url}/v1/walk-ffn", json=body, timeout=120).json()
+        assert (doc["cache"], doc["tier"]) == (("miss", None) if run == 0 else ("hit", "L3"))
+        outputs.append(np.float32(doc["output"]))
+    assert len(outputs[0]) == smollm2.config.hidden
+    assert np.array_equal(outputs[1], outputs[0].astype(np.float16).astype(np.float32))
+    assert not np.array_equal(outputs[1], outputs[0])        # it was stored as fp16, not as float32
