@@ -87,22 +87,26 @@ def test_a_database_held_mid_transaction_in_journal_mode_is_never_moved(tmp_path
     store.close()
 
 
-def test_a_reader_in_wal_mode_does_not_make_the_store_read_only(tmp_path):
+def test_another_instance_reading_or_writing_in_wal_mode_leaves_the_store_writable(tmp_path):
     path = tmp_path / CHATS_FILE
     store, _ = ChatStore.open(path)
     written = _write(store)
     store.close()
-    other = sqlite3.connect(str(path), isolation_level=None)
-    other.execute("BEGIN")
-    other.execute("SELECT COUNT(*) FROM messages").fetchone()         # a read transaction held open
-    try:
-        store, warning = ChatStore.open(path)
-        assert warning is None and store.read_only is None
-        assert _read(store, [c[0] for c in written]) == written
-        store.add_message(written[0][0], "user", "more")
+    for begin, statement in (("BEGIN", "SELECT COUNT(*) FROM messages"),
+                             ("BEGIN IMMEDIATE", "UPDATE chats SET model = model")):   # a read, a write in progress
+        other = sqlite3.connect(str(path), isolation_level=None)
+        other.execute(begin)
+        other.execute(statement).fetchall()
+        try:
+            store, warning = ChatStore.open(path)
+            assert warning is None and store.read_only is None and store.persistent, begin
+            assert _read(store, [c[0] for c in written]) == written
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        message = store.add_message(written[0][0], "user", f"after {begin}")
+        written[0][5].append((message, "user", f"after {begin}", True))
         store.close()
-    finally:
-        other.close()
 
 
 def test_a_write_ahead_log_beside_an_empty_main_file_is_kept_aside(tmp_path):

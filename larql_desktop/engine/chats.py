@@ -194,6 +194,15 @@ def _check_schema(conn: sqlite3.Connection) -> None:
                                  f"({', '.join(sorted(columns - known))})")
 
 
+def _is_current(conn: sqlite3.Connection) -> bool:
+    """The file already has this schema, complete, and its stamps."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")}
+    return (conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+            and conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+            and _OUR_TABLES | {"messages_by_chat"} <= tables
+            and {r[1] for r in conn.execute("PRAGMA table_info(messages)")} == set(MESSAGE_COLUMNS))
+
+
 def _connect(path: Path | str) -> sqlite3.Connection:
     """A read-write connection to a checked file with the current schema, stamped with its version."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
@@ -209,6 +218,8 @@ def _connect(path: Path | str) -> sqlite3.Connection:
                 raise sqlite3.OperationalError(f"could not switch to WAL mode (got {mode})")
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
+        if _is_current(conn):
+            return conn         # nothing to set up: no write, so another instance writing now costs no wait
         conn.execute("BEGIN IMMEDIATE")
         try:
             for statement in filter(str.strip, (_SCHEMA + _SET_ASIDE_SCHEMA).split(";")):
@@ -267,7 +278,8 @@ def _text(value) -> str:
 
 def _number(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{type(value).__name__} where a time belongs")
+        kind = "text" if isinstance(value, _StoredText) else "a BLOB" if isinstance(value, bytes) else type(value).__name__
+        raise TypeError(f"{kind} where a time belongs")
     return float(value)
 
 
