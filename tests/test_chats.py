@@ -115,7 +115,7 @@ def test_a_corrupt_database_is_set_aside_and_a_fresh_one_started(tmp_path):
     assert original[:16] == b"SQLite format 3\x00"
 
 
-def test_a_locked_database_is_reported_and_set_aside(tmp_path):
+def test_a_locked_database_is_left_alone_and_reported(tmp_path):
     path = tmp_path / CHATS_FILE
     store, _ = ChatStore.open(path)
     store.create_chat("Kept", {})
@@ -128,12 +128,12 @@ def test_a_locked_database_is_reported_and_set_aside(tmp_path):
     finally:
         holder.rollback()
         holder.close()
-    assert warning is not None and "locked" in warning
-    assert store.list_chats() == []
+    assert warning is not None and "in use by another program" in warning and "left as it is" in warning
+    assert store.list_chats() == [] and not store.persistent     # this run's chats live in memory
     store.close()
-    aside = next(p for p in tmp_path.iterdir() if ".unusable-" in p.name and p.suffix == ".sqlite3")
-    kept, _ = ChatStore.open(aside)
-    assert [c.title for c in kept.list_chats()] == ["Kept"]     # the other chats are not lost
+    assert not any(".unusable-" in p.name for p in tmp_path.iterdir())   # never renamed under the holder
+    kept, warning = ChatStore.open(path)
+    assert warning is None and [c.title for c in kept.list_chats()] == ["Kept"]
     kept.close()
 
 

@@ -274,3 +274,27 @@ def test_clicking_a_token_of_a_reply_selects_it_in_the_token_view(make_window, q
     assert win.token_view.events == events and win.token_view.tokens.currentRow() == number
     assert win.token_view.alternatives.rowCount() == 5
     assert tab.token_at(tab.turn_spans[0][0]) is None             # the prompt has no tokens to show
+
+
+def test_a_newer_chats_database_is_opened_read_only_and_the_window_says_so(make_window, qtbot, home):
+    import sqlite3
+
+    paths, _ = home
+    store, _ = ChatStore.open(paths.data / CHATS_FILE)
+    chat_id = store.create_chat("From a newer version", SamplingSettings().to_dict())
+    store.add_message(chat_id, "user", "Still readable?")
+    store.close()
+    conn = sqlite3.connect(str(paths.data / CHATS_FILE))
+    conn.execute("PRAGMA user_version = 99")
+    conn.commit()
+    conn.close()
+    before = (paths.data / CHATS_FILE).read_bytes()
+    win = make_window(load=False)
+    assert "read-only" in win.error_banner.text and "newer" in win.error_banner.text
+    assert win.chats_state_label.text() == "Saved chats: read-only" and win.chats_state_label.isVisible()
+    tab = win.open_saved_chat(chat_id)                         # its chats can still be read
+    assert tab is not None and tab.transcript.turns[0].text == "Still readable?"
+    win.error_banner.clear()
+    win.new_chat()                                             # a new chat is not saved, and that is no error
+    assert win.error_banner.text == "" and win.current_tab().session_id < 0
+    assert (paths.data / CHATS_FILE).read_bytes() == before

@@ -19,7 +19,9 @@ Scheduling: a request advances one forward pass per turn and turns are handed ou
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
 
 Errors on these routes use the OpenAI error object {"error": {"message", "type", "param", "code"}} (a 4xx, and
-nothing has run); the engine's own routes keep their {"detail": ...} shape.
+nothing has run); the engine's own routes keep their {"detail": ...} shape. A request's body is read up to a size
+its model's context can use, then parsed, checked (as strictly as the OpenAI API), templated and tokenised in a
+preparation thread, off the event loop (openai_input.py): a large body delays only its own answer.
 """
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import ClientDisconnect
 
+from larql_desktop.api.openai_input import (ApiError, RequestPreparation, body_limit, decode_json, error_doc,
+                                            read_body, refuse_unsupported_chat_fields, validation_error)
 from larql_desktop.engine.completions import CompletionRun, PromptTooLong
 from larql_desktop.engine.formats.chat_template import ChatTemplateError
+from larql_desktop.engine.formats.tokenizer import TextTooLong
 from larql_desktop.engine.model.generation import SamplingSettings
 
 log = logging.getLogger(__name__)
@@ -53,24 +58,6 @@ DEFAULT_MAX_COMPLETIONS = 32  # sessions held at once by API requests (SmolLM2's
 
 def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
-
-
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-                429: "rate_limit_error"}
-
-
-def error_doc(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_doc(self.status, self.message, self.param, self.code), status_code=self.status)
 
 
 # ----------------------------------------------------------------------------------------------- scheduling
@@ -129,8 +116,9 @@ class FairTurns:
 # ----------------------------------------------------------------------------------------------- requests
 class _Lenient(BaseModel):
     # Clients send fields this server has no use for (user, metadata, store…): they are ignored. The ones that
-    # would change the answer and are not supported are refused by name below.
-    model_config = ConfigDict(extra="ignore")
+    # would change the answer and are not supported are refused by name below. Strict, as the OpenAI API: "3",
+    # true and 2.0 are not an integer, "0" is not a number, "yes" is not a boolean.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Lenient):
@@ -179,12 +167,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
 
 
 def _sampling(req: _SamplingRequest, context_limit: int, prompt_tokens: int) -> tuple[SamplingSettings, tuple]:
@@ -255,15 +237,19 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------- routes
-def openai_router(engine, turns: FairTurns | None = None, max_completions: int = DEFAULT_MAX_COMPLETIONS) -> APIRouter:
+def openai_router(engine, turns: FairTurns | None = None, max_completions: int = DEFAULT_MAX_COMPLETIONS,
+                  preparation: RequestPreparation | None = None, max_body: int | None = None) -> APIRouter:
     """The OpenAI-compatible routes over `engine` (a LarqlEngine), taking generation turns from `turns`; at most
-    `max_completions` requests hold a session at once (each has a KV cache), more get a 429 (clients retry)."""
+    `max_completions` requests hold a session at once (each has a KV cache), more get a 429 (clients retry).
+    Bodies are read up to what the model's context can use (and `max_body`), and prepared in `preparation`."""
     router = APIRouter(tags=["OpenAI-compatible"])
     turns = turns if turns is not None else FairTurns()
+    preparation = preparation if preparation is not None else RequestPreparation()
     active: set[CompletionRun] = set()      # touched from the event loop only
     model = engine.model
     model_id = model.name
     created = int(model.path.stat().st_mtime) if model.path.exists() else 0
+    largest_body = body_limit(model, max_body if max_body is not None else 2 ** 62)
 
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "larql-desktop",
@@ -281,25 +267,57 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
                             "model", "model_not_found").response()
         return model_card()
 
-    async def parse(request: Request, schema: type[BaseModel]):
+    async def receive(request: Request) -> bytes:
         try:
-            raw = await request.body()
+            return await read_body(request, largest_body)
         except HTTPException as exc:            # the Guard's body cap, while the body streamed in
             raise ApiError(exc.status_code, str(exc.detail)) from None
-        try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "the body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise ApiError(400, "the body must be a JSON object")
+
+    def parse(raw: bytes, schema: type[BaseModel], check_doc=None):
+        """In a preparation thread: the body as a request of `schema` (ApiError says what is wrong)."""
+        preparation.stage("parse")
+        doc = decode_json(raw)
+        if check_doc is not None:
+            check_doc(doc)
         try:
             req = schema.model_validate(doc)
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
         if req.model != model_id:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r}",
                            "model", "model_not_found")
         return req
+
+    def too_long(exc: Exception, param: str) -> ApiError:
+        return ApiError(400, f"{exc}: shorten it", param, "context_length_exceeded")
+
+    def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        """In a preparation thread: the checked request and its prompt's token ids."""
+        req = parse(raw, ChatCompletionRequest, refuse_unsupported_chat_fields)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only text responses are supported", "response_format")
+        messages = _chat_messages(req.messages)
+        if not model.is_chat:
+            raise ApiError(400, f"{model_id} is a base model without a chat template: send its prompt to "
+                                "/v1/completions instead", "model", "model_not_chat")
+        preparation.stage("tokenise")
+        try:
+            return req, model.encode_prompt(messages, max_tokens=model.context_limit)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        except TextTooLong as exc:
+            raise too_long(exc, "messages") from None
+
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+        req = parse(raw, CompletionRequest)
+        if req.echo:
+            raise ApiError(400, "echo is not supported by this server", "echo")
+        if req.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported by this server", "suffix")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, "best_of must be 1 on this server", "best_of")
+        preparation.stage("tokenise")
+        return req, prompt_ids(req.prompt)
 
     def start(ids: list[int], req: _SamplingRequest, param: str) -> CompletionRun:
         settings, stops = _sampling(req, model.context_limit, len(ids))
@@ -309,7 +327,7 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
         try:
             run = CompletionRun(engine, ids, settings, stops)
         except PromptTooLong as exc:
-            raise ApiError(400, f"{exc}: shorten it", param, "context_length_exceeded") from None
+            raise too_long(exc, param) from None
         except ValueError as exc:
             raise ApiError(400, str(exc), param) from None
         active.add(run)
@@ -323,19 +341,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         try:
-            req = await parse(request, ChatCompletionRequest)
-            if req.tools:
-                raise ApiError(400, "tools are not supported by this server", "tools")
-            if req.response_format and req.response_format.get("type", "text") != "text":
-                raise ApiError(400, "only text responses are supported", "response_format")
-            messages = _chat_messages(req.messages)
-            if not model.is_chat:
-                raise ApiError(400, f"{model_id} is a base model without a chat template: send its prompt to "
-                                    "/v1/completions instead", "model", "model_not_chat")
-            try:
-                ids = model.encode_prompt(messages)
-            except ChatTemplateError as exc:
-                raise ApiError(400, str(exc), "messages") from None
+            raw = await receive(request)
+            req, ids = await preparation.run(lambda: prepare_chat(raw))
             run = start(ids, req, "messages")
         except ApiError as exc:
             return exc.response()
@@ -346,14 +353,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
     @router.post("/v1/completions")
     async def completions(request: Request):
         try:
-            req = await parse(request, CompletionRequest)
-            if req.echo:
-                raise ApiError(400, "echo is not supported by this server", "echo")
-            if req.suffix:
-                raise ApiError(400, "suffix (insertion) is not supported by this server", "suffix")
-            if req.best_of not in (None, 1):
-                raise ApiError(400, "best_of must be 1 on this server", "best_of")
-            ids = prompt_ids(req.prompt)
+            raw = await receive(request)
+            req, ids = await preparation.run(lambda: prepare_completion(raw))
             run = start(ids, req, "prompt")
         except ApiError as exc:
             return exc.response()
@@ -373,7 +374,10 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             if not prompt or any(not 0 <= t < vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must be 1 or more ids in 0..{vocab - 1}", "prompt")
             return list(prompt)
-        ids = model.tokenizer.encode(prompt)
+        try:
+            ids = model.tokenizer.encode(prompt, max_tokens=model.context_limit)
+        except TextTooLong as exc:
+            raise too_long(exc, "prompt") from None
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         return ids

@@ -153,8 +153,9 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        names = [k.decode("latin-1").lower() for k, _ in scope["headers"]]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        problem = self._check(scope, headers)
+        problem = self._check_duplicates(names) or self._check(scope, headers)
         if problem is not None:
             return await self._refuse(send, *problem, path=scope["path"])
         received = 0
@@ -183,6 +184,19 @@ class Guard:
         except (_BodyTooLarge, HTTPException):
             if not started:
                 await self._refuse(send, 413, f"request body exceeds {self.max_body} bytes", path=scope["path"])
+
+    # Headers this guard decides on: sent twice, which one counts is a guess (a wrong token first and the right one
+    # second was let in when the last one won), so a request that repeats one is refused.
+    _SINGLE_HEADERS = ("authorization", "host", "content-type", "content-length")
+
+    def _check_duplicates(self, names: list[str]):
+        for name in self._SINGLE_HEADERS:
+            if names.count(name) > 1:
+                if name == "authorization" and self.token is not None:
+                    return 401, "the Authorization header is sent more than once: send one bearer token", \
+                        {"www-authenticate": "Bearer"}
+                return 400, f"the {name} header is sent more than once: send it once", {}
+        return None
 
     def _check(self, scope, headers):
         if self.loopback_hosts:
@@ -242,8 +256,9 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     app.state.engine = engine
     # One forward pass at a time by default: on a small machine one pass already uses every core, and the
     # turns are handed out in arrival order, so concurrent completions interleave token by token.
+    app.state.preparation = openai_compat.RequestPreparation()
     app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
-                                                   max_completions))
+                                                   max_completions, app.state.preparation, max_body))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

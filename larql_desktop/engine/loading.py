@@ -101,12 +101,20 @@ class LoadedModel:
         end = without.find(after, len(before)) if without.startswith(before) and after else -1
         return without[len(before):end] if end > len(before) else None
 
-    def encode_prompt(self, messages: list[dict]) -> list[int]:
-        text = self.render_prompt(messages)
-        if self.is_chat:
-            # The template writes any BOS itself; special tokens in it are parsed as llama.cpp does.
-            return self.tokenizer.encode(text, add_bos=False, parse_special=True)
-        return self.tokenizer.encode(text)
+    def encode_prompt(self, messages: list[dict], max_tokens: int | None = None,
+                      specials_in_content: bool = False) -> list[int]:
+        """The token ids the model reads for `messages`. The template's own markers are special tokens; a marker
+        typed in a message's content (`<|im_start|>`) is plain text, several tokens, so user text can never open
+        a turn of another role (unless `specials_in_content`, llama.cpp's behaviour). max_tokens: a prompt whose
+        text cannot fit raises TextTooLong before it is tokenised."""
+        tok = self.tokenizer
+        if not self.is_chat:
+            return tok.encode(self.render_prompt(messages), max_tokens=max_tokens)
+        if not specials_in_content:
+            messages = [{**m, "content": tok.escape_specials(m["content"])} if isinstance(m.get("content"), str)
+                        else m for m in messages]
+        # The template writes any BOS itself.
+        return tok.encode_template(self.render_prompt(messages), add_bos=False, max_tokens=max_tokens)
 
     @property
     def context_limit(self) -> int:

@@ -17,7 +17,8 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, 
                                QToolButton, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
-from larql_desktop.engine.chats import CHATS_FILE, ChatStore, ChatStoreError, chat_to_json, chat_to_markdown
+from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, ReadOnlyChatStore, chat_to_json,
+                                        chat_to_markdown)
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.qt_chat_panels import ChatsPanel, TokenView
 from larql_desktop.qt.transcript import ASSISTANT
@@ -118,6 +119,7 @@ class MainWindow(QMainWindow):
         self._build_model_picker()
         self._build_central()
         self._build_status_bar()
+        self._show_chats_store_state()
         self.server = ServerController(client, parent=self)
         self.server.changed.connect(self._on_server_changed)
         self.serve_action.toggled.connect(self._on_serve_toggled)
@@ -265,6 +267,19 @@ class MainWindow(QMainWindow):
         for widget in (self.serve_box, self.server_port, self.server_label):
             self.statusBar().addPermanentWidget(widget)
 
+    def _show_chats_store_state(self) -> None:
+        """A permanent note while saved chats are not being written (read-only, or kept in memory this run)."""
+        if self.chats.read_only:
+            text, tip = "Saved chats: read-only", f"{self.chats.where} is open read-only: {self.chats.read_only}"
+        elif not self.chats.persistent:
+            text, tip = "Saved chats: not saved", "The saved chats file could not be opened: chats are kept in memory"
+        else:
+            return
+        self.chats_state_label = QLabel(text)
+        self.chats_state_label.setAccessibleName("Saved chats state")
+        self.chats_state_label.setToolTip(tip + " (new chats are not saved this run)")
+        self.statusBar().addPermanentWidget(self.chats_state_label)
+
     def add_panel(self, title: str, widget: QWidget, area: Qt.DockWidgetArea = Qt.RightDockWidgetArea,
                   shortcut: str | None = None) -> QDockWidget:
         """Extension point for tool panels (cache monitor, patch editor…): a dock, tabbed with the others in
@@ -300,6 +315,9 @@ class MainWindow(QMainWindow):
         """A chats-store call; a failure is shown (the chat in the window carries on) and gives None."""
         try:
             return call(*args)
+        except ReadOnlyChatStore as exc:      # said once by the status bar's note; not an error each time
+            self.statusBar().showMessage(f"Saved chats: {exc}", 10_000)
+            return None
         except ChatStoreError as exc:
             self.show_error(f"Saved chats: {exc}")
             return None

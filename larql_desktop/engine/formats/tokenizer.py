@@ -10,11 +10,16 @@ Two vocabulary types are supported, as llama.cpp names them:
 Special tokens follow llama.cpp's ``tokenizer_st_partition``: user-defined tokens are always
 split out of the text before tokenization, control tokens only when ``parse_special`` is set,
 longest token first.
+
+A rendered chat prompt is tokenised with `encode_template`: the template's own markers (``<|im_start|>``) are
+special tokens, while the messages' contents, escaped with `escape_specials` before rendering, stay plain text, so
+that a marker typed in a message is several ordinary tokens and cannot fake a system or assistant turn.
 """
 from __future__ import annotations
 
 import codecs
 import heapq
+import re
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -47,6 +52,18 @@ _PRE_QWEN2 = {"qwen2", "deepseek-r1-qwen", "megrez", "hunyuan-dense"}
 class TokenizerError(ValueError):
     """A GGUF whose tokenizer cannot be built (missing vocabulary, unsupported type)."""
 
+
+class TextTooLong(ValueError):
+    """A text that cannot fit in some number of tokens, known from its length alone, before tokenising it."""
+
+
+# How `escape_specials` writes a control token's text inside a message: this escape character, then one character
+# standing for the token (its index among the vocabulary's control tokens); the escape character itself is
+# written twice. Supplementary private-use characters: no vocabulary's special token contains them.
+_ESCAPE = "\U0010FFFD"
+_ESCAPE_BASE = 0x100000
+_MAX_ESCAPED = 0x10FFFD - _ESCAPE_BASE
+_ESCAPED_PAIR = re.compile("\U0010FFFD(.)", re.DOTALL)
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
@@ -130,7 +147,13 @@ class Tokenizer:
         special = sorted((int(i) for i in special), key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
         self._special_all = [(self.tokens[i], i) for i in special if self.tokens[i]]
         self._special_user = [(t, i) for t, i in self._special_all if types[i] == TOKEN_USER_DEFINED]
+        # The ones only `parse_special` splits out: what message text is escaped from (longest first, as above).
+        self._special_parsed = [t for t, i in self._special_all if types[i] != TOKEN_USER_DEFINED]
+        if len(self._special_parsed) > _MAX_ESCAPED:
+            raise TokenizerError(f"{len(self._special_parsed)} control tokens are more than message text can be "
+                                 "escaped from")
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
+        self._max_piece_bytes: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -193,15 +216,66 @@ class Tokenizer:
         return tk
 
     # ------------------------------------------------------------------ encoding
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+    @property
+    def max_piece_bytes(self) -> int:
+        """The most bytes one token stands for (special ones written out): a text of n characters takes at least
+        n / max_piece_bytes tokens."""
+        if self._max_piece_bytes is None:
+            self._max_piece_bytes = max(1, max(len(self.piece_bytes(i, special=True)) for i in range(self.vocab_size)))
+        return self._max_piece_bytes
+
+    def _check_fits(self, text: str, max_tokens: int | None) -> None:
+        # Each token stands for at most max_piece_bytes bytes, so at least one character per max_piece_bytes:
+        # a text longer than that cannot fit, and is refused without the cost of tokenising it.
+        if max_tokens is not None and len(text) > max_tokens * self.max_piece_bytes:
+            raise TextTooLong(f"the prompt is at least {-(-len(text) // self.max_piece_bytes)} tokens (it has "
+                              f"{len(text)} characters) but the context holds {max_tokens}")
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False,
+               max_tokens: int | None = None) -> list[int]:
         """Token ids for `text`. add_bos None = the GGUF's default (and its add_eos default);
-        parse_special=True matches control-token strings such as ``<|im_start|>`` as single tokens."""
+        parse_special=True matches control-token strings such as ``<|im_start|>`` as single tokens.
+        max_tokens: a text too long to fit in that many tokens raises TextTooLong before it is tokenised."""
+        self._check_fits(text, max_tokens)
+        return self._encode_fragments(self._partition(text, parse_special), add_bos)
+
+    def escape_specials(self, text: str) -> str:
+        """A message's text, about to be rendered into a chat template, with every control-token string in it
+        (``<|im_start|>``, ``<end_of_turn>``) escaped: `encode_template` reads the escapes back as plain text."""
+        if _ESCAPE in text:
+            text = text.replace(_ESCAPE, _ESCAPE + _ESCAPE)
+        for index, token_text in enumerate(self._special_parsed):
+            if token_text in text:
+                text = text.replace(token_text, _ESCAPE + chr(_ESCAPE_BASE + index))
+        return text
+
+    def _unescape(self, text: str) -> str:
+        def original(match) -> str:
+            code = ord(match.group(1)) - _ESCAPE_BASE
+            if match.group(1) == _ESCAPE:
+                return _ESCAPE
+            return self._special_parsed[code] if 0 <= code < len(self._special_parsed) else match.group(0)
+        return _ESCAPED_PAIR.sub(original, text)
+
+    def encode_template(self, text: str, add_bos: bool | None = None, max_tokens: int | None = None) -> list[int]:
+        """Token ids for a rendered chat template whose message texts went through `escape_specials`: the
+        template's own control-token strings are special tokens (as `encode(parse_special=True)`), the messages'
+        are plain text. A text without escapes gives exactly what `encode(text, parse_special=True)` gives."""
+        self._check_fits(text, max_tokens)
+        fragments = []
+        for fragment in self._partition(text, parse_special=True):
+            if isinstance(fragment, str) and _ESCAPE in fragment:
+                fragments.extend(self._partition(self._unescape(fragment), parse_special=False))
+            else:
+                fragments.append(fragment)
+        return self._encode_fragments(fragments, add_bos)
+
+    def _encode_fragments(self, fragments: list, add_bos: bool | None) -> list[int]:
         out: list[int] = []
         use_defaults = add_bos is None
         want_bos = self.add_bos if use_defaults else bool(add_bos)
         if want_bos and self.bos_id is not None:
             out.append(self.bos_id)
-        fragments = self._partition(text, parse_special)
         if self._kind == "spm":
             is_prev_special = True
             for frag in fragments:
