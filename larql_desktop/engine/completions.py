@@ -127,7 +127,8 @@ class CompletionRun:
     Not thread-safe by itself: one caller at a time (the API awaits each step before the next).
     """
 
-    def __init__(self, engine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = ()):
+    def __init__(self, engine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
+                 logprobs: int | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -135,10 +136,11 @@ class CompletionRun:
             raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens but the context holds {limit}")
         self.engine = engine
         self.prompt_tokens = len(prompt_ids)
+        self.wants_logprobs = logprobs is not None
         self._stop = StopStrings(stop)
         self.session = engine.new_session()
         try:
-            self._steps = self.session.generate(prompt_ids, settings)
+            self._steps = self.session.generate(prompt_ids, settings, logprobs)
         except Exception:
             engine.close_session(self.session)
             raise
@@ -147,6 +149,16 @@ class CompletionRun:
         self.finish_reason: str | None = None
         self._result: CompletionResult | None = None
         self._emitted: list[str] = []
+        # With `logprobs`: (TokenLogprobs, offset of its text in the reply before stop strings) per reply token.
+        self.logprobs: list[tuple[object, int]] = []
+        self._logprobs_taken = 0
+        self._text_length = 0
+
+    def take_logprobs(self) -> list[tuple[object, int]]:
+        """The reply tokens' logprobs not taken yet (a stream sends each with the chunk after its token)."""
+        new = self.logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     @property
     def finished(self) -> bool:
@@ -166,7 +178,10 @@ class CompletionRun:
             self.finish_reason = FINISH_STOP
             return self._emit(self._stop.feed(self._tail()) + self._stop.flush())
         self.completion_tokens += 1
+        if step.logprobs is not None:
+            self.logprobs.append((step.logprobs, self._text_length))
         self._pieces.append(step.text)
+        self._text_length += len(step.text)
         text = self._stop.feed(step.text)
         if self._stop.stopped:
             self.finish_reason = FINISH_STOP

@@ -91,7 +91,8 @@ class ChatSession:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
-    def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
+                      ) -> Iterator[TokenStep]:
         tok = self.model.tokenizer
         decoder = tok.stream_decoder()
         if settings.stop:
@@ -128,7 +129,8 @@ class ChatSession:
                                        self.ffn.pass_end() if isinstance(self.ffn, PassAwareFfn) else None)
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
-                               token_text=self._token_text, recorder=recorder, first_layers=layers):
+                               token_text=self._token_text, recorder=recorder, first_layers=layers,
+                               logprobs=logprobs):
                 reply.append(step.text)
                 self.messages[-1]["content"] = "".join(reply)
                 yield step
@@ -147,13 +149,15 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
 
-    def generate(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
+                 ) -> Iterator[TokenStep]:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
-        renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long."""
+        renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long.
+        `logprobs` (0..20): each step carries its token's log probability and that many alternatives'."""
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_fits(ids)
-        return self._generate_for(list(ids), settings)
+        return self._generate_for(list(ids), settings, logprobs)
 
     def regenerate(self, settings: SamplingSettings) -> Iterator[TokenStep]:
         """Drop the last reply and generate it again from the same context."""
