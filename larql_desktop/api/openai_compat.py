@@ -14,7 +14,11 @@ every tier missed, bypasses by reason), in a streamed reply on the chunk that ca
 Chat completions need a chat template: a base model (no template) is refused with a 400 that points to
 /v1/completions, rather than inventing a "role: content" format the model was never trained on.
 
-Scheduling: a request advances one forward pass per turn and turns are handed out first come, first served
+Prompts share their KV through the engine's prefix cache (engine/model/prefix_cache.py): `usage.prompt_tokens_details.
+cached_tokens` says how many prompt positions a request reused. `logprobs`/`top_logprobs` report the log-softmax of
+the engine's raw logits (requested_logprobs, chat_logprobs, completion_logprobs below).
+
+Scheduling: a request advances one forward pass (a prefill chunk or a decode step) per turn and turns are handed out first come, first served
 (`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
 
@@ -504,7 +508,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
 
     def usage(result) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
     return router
 

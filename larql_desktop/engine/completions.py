@@ -118,6 +118,7 @@ class CompletionResult:
     completion_tokens: int
     finish_reason: str | None     # None: stopped before its end (the client went away)
     cache: CacheCounts
+    cached_tokens: int = 0        # prompt positions reused from the KV prefix cache (they ran no FFN)
 
 
 class CompletionRun:
@@ -137,6 +138,7 @@ class CompletionRun:
         self.engine = engine
         self.prompt_tokens = len(prompt_ids)
         self.wants_logprobs = logprobs is not None
+        self.cached_tokens = 0          # prompt positions reused from the engine's KV prefix cache
         self._stop = StopStrings(stop)
         self.session = engine.new_session()
         try:
@@ -144,6 +146,8 @@ class CompletionRun:
         except Exception:
             engine.close_session(self.session)
             raise
+        # The prompt runs in chunks, one per step, before the first token is sampled (no forward pass of its own).
+        self._prefill = self.session.prefill_steps(list(prompt_ids))
         self._pieces: list[str] = []        # text the session produced, before stop strings
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -165,10 +169,16 @@ class CompletionRun:
         return self.finish_reason is not None
 
     def step(self) -> str:
-        """Run one forward pass (the first one is the prefill) and return the reply text it completed (often ''
-        while a UTF-8 sequence or a possible stop string is incomplete). `finished` then says whether it ended."""
+        """Run one forward pass (the first ones are the prompt's prefill chunks, which return '') and return the
+        reply text it completed (often '' while a UTF-8 sequence or a possible stop string is incomplete).
+        `finished` then says whether it ended."""
         if self.finished or self._result is not None:
             return ""
+        if self._prefill is not None:
+            if next(self._prefill):
+                return ""                       # more of the prompt to run: other requests' turns first
+            self._prefill = None
+            self.cached_tokens = self.session.reused_tokens
         try:
             step = next(self._steps)
         except StopIteration:
@@ -200,9 +210,11 @@ class CompletionRun:
     def close(self) -> CompletionResult:
         """End the completion (at once if it is still running), release the session; idempotent."""
         if self._result is None:
+            if self._prefill is not None:
+                self._prefill.close()
             self._steps.close()
             self.engine.close_session(self.session)
             counts = cache_counts(None, self.engine.session_snapshot(self.session))
             self._result = CompletionResult("".join(self._emitted), self.prompt_tokens, self.completion_tokens,
-                                            self.finish_reason, counts)
+                                            self.finish_reason, counts, self.cached_tokens)
         return self._result
