@@ -339,7 +339,10 @@ def cmd_serve(args) -> int:
     paths = AppPaths.from_environment().ensure()
     store = open_l3(args.l3, paths, l3_settings)
     model = _load(args, quiet_progress=True)
-    engine = LarqlEngine(model, walk=_walk_settings(args), l3=store)
+    if args.prefix_cache_mb < 0 or args.prefill_chunk < 1:
+        raise ValueError("--prefix-cache-mb must be 0 (off) or more and --prefill-chunk at least 1")
+    engine = LarqlEngine(model, walk=_walk_settings(args), l3=store, prefix_cache_bytes=args.prefix_cache_mb << 20,
+                         prefill_chunk=args.prefill_chunk)
     # The first request per layer would otherwise build its sessions.
     model.ffn.load_sessions(kinds=("gate", "walk"))
     handle = start_server(engine, args.host, args.port, token)
@@ -538,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "redis://HOST:PORT/DB[#PREFIX] or off")
     serve.add_argument("--l3-fp16", action="store_true", help="store L3 values as fp16 (half the bytes)")
     serve.add_argument("--l3-max-mb", type=int, default=512, help="L3 size cap in MiB (default 512)")
+    serve.add_argument("--prefix-cache-mb", type=int, default=512,
+                       help="KV prefix cache shared by every request, in MiB (0: off; default 512)")
+    serve.add_argument("--prefill-chunk", type=int, default=64,
+                       help="positions per prefill pass; other requests run between chunks (default 64)")
     serve.set_defaults(func=cmd_serve)
     parser.set_defaults(func=cmd_gui)
     return parser

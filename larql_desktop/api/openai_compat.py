@@ -14,7 +14,11 @@ every tier missed, bypasses by reason), in a streamed reply on the chunk that ca
 Chat completions need a chat template: a base model (no template) is refused with a 400 that points to
 /v1/completions, rather than inventing a "role: content" format the model was never trained on.
 
-Scheduling: a request advances one forward pass per turn and turns are handed out first come, first served
+Prompts share their KV through the engine's prefix cache (engine/model/prefix_cache.py): `usage.prompt_tokens_details.
+cached_tokens` says how many prompt positions a request reused. `logprobs`/`top_logprobs` report the log-softmax of
+the engine's raw logits (requested_logprobs, chat_logprobs, completion_logprobs below).
+
+Scheduling: a request advances one forward pass (a prefill chunk or a decode step) per turn and turns are handed out first come, first served
 (`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
 
@@ -46,6 +50,7 @@ from larql_desktop.engine.completions import CompletionRun, PromptTooLong
 from larql_desktop.engine.formats.chat_template import ChatTemplateError
 from larql_desktop.engine.formats.tokenizer import TextTooLong
 from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.engine.model.logprobs import MAX_TOP_LOGPROBS
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +163,7 @@ class _SamplingRequest(_Lenient):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    top_logprobs: Any = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -173,8 +179,6 @@ def _sampling(req: _SamplingRequest, context_limit: int, prompt_tokens: int) -> 
     """SamplingSettings and stop strings from the request's OpenAI-named fields; ApiError names a bad one."""
     if req.n not in (None, 1):
         raise ApiError(400, f"n={req.n}: this server returns one choice per request (send n=1 or leave it out)", "n")
-    if req.logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported by this server", "logprobs")
     if req.logit_bias:
         raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
     name, limit = ("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None \
@@ -207,6 +211,57 @@ def _sampling(req: _SamplingRequest, context_limit: int, prompt_tokens: int) -> 
         param = next((n for n in fields if n.replace("_", " ") in str(exc) or n.replace("_", "-") in str(exc)),
                      None)
         raise ApiError(400, str(exc), param) from None
+
+
+def requested_logprobs(req: _SamplingRequest) -> int | None:
+    """How many top alternatives a request wants beside each token's log probability (None: no logprobs). Chat
+    completions take `logprobs: bool` and `top_logprobs` 0..20 (which needs logprobs); text completions take
+    `logprobs` 0..20, the number of alternatives (0: the sampled token's only)."""
+    def count(value, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"{name} must be an integer between 0 and {MAX_TOP_LOGPROBS}, not {value!r}", name)
+        return value
+
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise ApiError(400, f"logprobs must be true or false, not {req.logprobs!r}", "logprobs")
+        top = None if req.top_logprobs is None else count(req.top_logprobs, "top_logprobs")
+        if not req.logprobs:
+            if top:
+                raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+            return None
+        return top or 0
+    if req.logprobs is None or req.logprobs is False:
+        return None
+    return count(req.logprobs, "logprobs")
+
+
+def _token_doc(tokenizer, token_id: int, logprob: float) -> dict:
+    raw = tokenizer.piece_bytes(token_id, special=True)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(entries: list, tokenizer) -> dict:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+    "refusal": null}, one entry per reply token (`entries`: CompletionRun.logprobs items)."""
+    content = [{**_token_doc(tokenizer, lp.token_id, lp.logprob),
+                "top_logprobs": [_token_doc(tokenizer, i, p) for i, p in lp.top]} for lp, _ in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: list, tokenizer) -> dict:
+    """A text completion choice's `logprobs`: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (a dict
+    token -> logprob of the most likely tokens and the sampled one, as the API says "up to logprobs + 1") and
+    `text_offset` (each token's offset in the completion text)."""
+    text = lambda i: tokenizer.piece_bytes(i, special=True).decode("utf-8", errors="replace")   # noqa: E731
+    tops = []
+    for lp, _ in entries:
+        top = {text(i): p for i, p in lp.top}
+        top.setdefault(text(lp.token_id), lp.logprob)
+        tops.append(top)
+    return {"tokens": [text(lp.token_id) for lp, _ in entries],
+            "token_logprobs": [lp.logprob for lp, _ in entries],
+            "top_logprobs": tops, "text_offset": [offset for _, offset in entries]}
 
 
 def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -325,7 +380,7 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             raise ApiError(429, f"the server is busy with {len(active)} completions; retry shortly",
                            code="too_many_completions")
         try:
-            run = CompletionRun(engine, ids, settings, stops)
+            run = CompletionRun(engine, ids, settings, stops, requested_logprobs(req))
         except PromptTooLong as exc:
             raise too_long(exc, param) from None
         except ValueError as exc:
@@ -407,7 +462,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
                 return JSONResponse(error_doc(500, "the engine failed while generating (details in the log)"),
                                     status_code=500)
             result = finish(run)
-            choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+            choice = {"index": 0, "finish_reason": result.finish_reason,
+                      "logprobs": logprobs_doc(run.take_logprobs(), chat) if run.wants_logprobs else None}
             choice.update({"message": {"role": "assistant", "content": result.text}} if chat else
                           {"text": result.text})
             return {"id": ident, "object": kind, "created": stamp, "model": model_id, "choices": [choice],
@@ -421,10 +477,14 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             return f"data: {json.dumps(doc)}\n\n".encode()
 
         def piece(text: str | None, finish: str | None, first: bool = False) -> dict:
+            # The logprobs of the tokens since the last chunk (a token whose text is held back, part of a UTF-8
+            # character or of a possible stop string, goes with the chunk that carries its text).
+            taken = run.take_logprobs() if run.wants_logprobs and not first else None
+            logprobs = logprobs_doc(taken, chat) if taken else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
 
         async def events() -> AsyncIterator[bytes]:
             if chat:
@@ -447,9 +507,13 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
         return _ClosingStream(events(), lambda: finish(run), media_type="text/event-stream",
                               headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    def logprobs_doc(entries: list, chat: bool) -> dict:
+        return chat_logprobs(entries, model.tokenizer) if chat else completion_logprobs(entries, model.tokenizer)
+
     def usage(result) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
     return router
 

@@ -344,6 +344,7 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         doc = engine.snapshot().to_dict()
         doc["full_k"] = is_full_k(engine.walk_settings.resolved(cfg.intermediate).top_k, cfg.intermediate)
         doc["l3"] = engine.l3.status() if engine.l3 is not None else None
+        doc["prefix_cache"] = engine.prefix_cache.stats().to_dict()
         return finite_json(doc)
 
     @app.get("/v1/patches", response_model=PatchList)

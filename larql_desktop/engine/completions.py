@@ -28,6 +28,7 @@ class CompletionResult:
     completion_tokens: int
     finish_reason: str | None     # None: stopped before its end (the client went away)
     cache: CacheCounts
+    cached_tokens: int = 0        # prompt positions reused from the KV prefix cache (they ran no FFN)
 
 
 class CompletionRun:
@@ -37,7 +38,8 @@ class CompletionRun:
     Not thread-safe by itself: one caller at a time (the API awaits each step before the next).
     """
 
-    def __init__(self, engine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = ()):
+    def __init__(self, engine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
+                 logprobs: int | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -45,28 +47,48 @@ class CompletionRun:
             raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens but the context holds {limit}")
         self.engine = engine
         self.prompt_tokens = len(prompt_ids)
+        self.wants_logprobs = logprobs is not None
+        self.cached_tokens = 0          # prompt positions reused from the engine's KV prefix cache
         self._stop = StopStrings(stop)
         self.session = engine.new_session()
         try:
-            self._steps = self.session.generate(prompt_ids, settings)
+            self._steps = self.session.generate(prompt_ids, settings, logprobs)
         except Exception:
             engine.close_session(self.session)
             raise
+        # The prompt runs in chunks, one per step, before the first token is sampled (no forward pass of its own).
+        self._prefill = self.session.prefill_steps(list(prompt_ids))
         self._pieces: list[str] = []        # text the session produced, before stop strings
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._result: CompletionResult | None = None
         self._emitted: list[str] = []
+        # With `logprobs`: (TokenLogprobs, offset of its text in the reply before stop strings) per reply token.
+        self.logprobs: list[tuple[object, int]] = []
+        self._logprobs_taken = 0
+        self._text_length = 0
+
+    def take_logprobs(self) -> list[tuple[object, int]]:
+        """The reply tokens' logprobs not taken yet (a stream sends each with the chunk after its token)."""
+        new = self.logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.logprobs)
+        return new
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def step(self) -> str:
-        """Run one forward pass (the first one is the prefill) and return the reply text it completed (often ''
-        while a UTF-8 sequence or a possible stop string is incomplete). `finished` then says whether it ended."""
+        """Run one forward pass (the first ones are the prompt's prefill chunks, which return '') and return the
+        reply text it completed (often '' while a UTF-8 sequence or a possible stop string is incomplete).
+        `finished` then says whether it ended."""
         if self.finished or self._result is not None:
             return ""
+        if self._prefill is not None:
+            if next(self._prefill):
+                return ""                       # more of the prompt to run: other requests' turns first
+            self._prefill = None
+            self.cached_tokens = self.session.reused_tokens
         try:
             step = next(self._steps)
         except StopIteration:
@@ -76,7 +98,10 @@ class CompletionRun:
             self.finish_reason = FINISH_STOP
             return self._emit(self._stop.feed(self._tail()) + self._stop.flush())
         self.completion_tokens += 1
+        if step.logprobs is not None:
+            self.logprobs.append((step.logprobs, self._text_length))
         self._pieces.append(step.text)
+        self._text_length += len(step.text)
         text = self._stop.feed(step.text)
         if self._stop.stopped:
             self.finish_reason = FINISH_STOP
@@ -95,9 +120,11 @@ class CompletionRun:
     def close(self) -> CompletionResult:
         """End the completion (at once if it is still running), release the session; idempotent."""
         if self._result is None:
+            if self._prefill is not None:
+                self._prefill.close()
             self._steps.close()
             self.engine.close_session(self.session)
             counts = cache_counts(None, self.engine.session_snapshot(self.session))
             self._result = CompletionResult("".join(self._emitted), self.prompt_tokens, self.completion_tokens,
-                                            self.finish_reason, counts)
+                                            self.finish_reason, counts, self.cached_tokens)
         return self._result

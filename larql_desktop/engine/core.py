@@ -19,8 +19,9 @@ from larql_desktop.engine.cache.tiers import CacheTier, PersistentTierView, Tier
 from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
-from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
+from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file, parse_patch
 
@@ -86,7 +87,8 @@ class LarqlEngine:
 
     def __init__(self, model: LoadedModel, walk: WalkSettings = WalkSettings(),
                  l1: TierSettings = TierSettings(), l2: TierSettings = TierSettings(), patches=None,
-                 l3: L3Store | None = None):
+                 l3: L3Store | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
         n = model.config.n_layers
         walk.resolved(model.config.intermediate)      # refuse impossible settings up front
@@ -99,6 +101,11 @@ class LarqlEngine:
         self.l3 = l3
         self.base_weights = BaseFeatureWeights(model.gguf)
         self.sessions: list[ChatSession] = []
+        # Prompts' KV shared by every session (API requests and chats); see engine/model/prefix_cache.py.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        if prefill_chunk < 1:
+            raise ValueError(f"a prefill chunk must hold at least one position, not {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk            # positions per prefill pass (a server interleaves between)
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []
@@ -152,11 +159,22 @@ class LarqlEngine:
         return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, walk,
                        None, self.l2, (self.stats,), self.patches, l3=self.l3, trace=self.trace)
 
+    def kv_namespace(self, ffn) -> tuple | None:
+        """What the KV of a prompt run through `ffn` depends on besides its tokens (the prefix cache's namespace):
+        the model, the FFN graphs' numerics, the walk settings, the INSERT patches' epoch, which cache tiers are on
+        (with every tier off a walk layer runs in another graph) and the prefill chunk (the passes' shapes). None for an FFN this engine did not make."""
+        if not isinstance(ffn, WalkFfn):
+            return None
+        return (self.model.checksum, ffn.graphs.numerics, ffn.settings, ffn.patches.epoch,
+                tuple(sorted(self._enabled().items())), self.prefill_chunk)
+
     def new_session(self) -> ChatSession:
         n = self.model.config.n_layers
         l1, stats = CacheTier("L1", n, self.l1_settings), CacheStats(n)
         with self._lock:
-            session = ChatSession(self.model, self._walk_for(l1, stats), l1=l1, stats=stats)
+            session = ChatSession(self.model, self._walk_for(l1, stats), l1=l1, stats=stats,
+                                  prefix_cache=self.prefix_cache, kv_namespace=self.kv_namespace,
+                                  prefill_chunk=self.prefill_chunk)
             self.sessions.append(session)
         return session
 
@@ -289,9 +307,10 @@ class LarqlEngine:
 
     # -- caches and statistics -----------------------------------------------------------------------------
     def clear_caches(self, persistent: bool = False, origin=None) -> None:
-        """Empty L2 and every L1; with `persistent`, the L3 store too."""
+        """Empty L2, every L1 and the KV prefix cache; with `persistent`, the L3 store too."""
         with self._lock:
             self.l2.clear()
+            self.prefix_cache.clear()
             self.trace.clear()
             for s in self.sessions:
                 s.l1.clear()

@@ -4,7 +4,7 @@ Above the cache and the loader: the engine core makes one per chat tab and per A
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 
@@ -13,16 +13,30 @@ from larql_desktop.engine.cache.tiers import CacheTier
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
+from larql_desktop.engine.model.prefix_cache import PrefixCache, prefill_chunks
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
 from larql_desktop.engine.loading import LoadedModel, conversation
 
 ROLES = ("user", "assistant")
+# Positions per prefill pass, at multiples of it: a server runs other requests' steps between chunks, and the prefix
+# cache reuses whole chunks (prefix_cache.py says why). Small enough that a shared prefix is reused nearly whole,
+# large enough that a pass keeps the kernels' efficiency.
+PREFILL_CHUNK = 64
 
 
 class ChatSession:
     def __init__(self, model: LoadedModel, ffn: FfnCall | None = None, l1: CacheTier | None = None,
-                 stats: CacheStats | None = None):
+                 stats: CacheStats | None = None, prefix_cache: PrefixCache | None = None,
+                 kv_namespace: Callable[[FfnCall], Hashable | None] | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
+        # The engine's shared KV prefix cache, and what names the KV an FFN computes (None: not shareable).
+        self.prefix_cache = prefix_cache
+        self.kv_namespace = kv_namespace
+        self.prefill_chunk = prefill_chunk
+        self.exact_length = 0           # leading KV positions bit-identical to a cold prefill of `history`
+        self.reused_tokens = 0          # positions the latest prefill took from the prefix cache
+        self._prefill_ran = 0           # positions the latest prefill ran
         self.ffn = ffn or model.ffn
         self.l1 = l1          # this session's own cache tier (None without a cache engine)
         self.stats = stats    # this session's statistics
@@ -43,6 +57,7 @@ class ChatSession:
         self.messages.clear()
         self.kv.truncate(0)
         self.history.clear()
+        self.exact_length = 0
         self._prompt_logits = None
 
     def restore(self, messages: Sequence[tuple[str, str]], system_prompt: str | None = None) -> None:
@@ -60,7 +75,8 @@ class ChatSession:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
-    def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
+                      ) -> Iterator[TokenStep]:
         tok = self.model.tokenizer
         decoder = tok.stream_decoder()
         if settings.stop:
@@ -72,37 +88,75 @@ class ChatSession:
         try:
             started = time.perf_counter()
             saved = self._prompt_logits
-            if saved is not None and saved[0] == tuple(ids) and self.history[:len(ids)] == ids:
+            ran = 0
+            if saved is None or saved[0] != tuple(ids) or self.history[:len(ids)] != ids:
+                for _ in self.prefill_steps(ids):
+                    pass
+                saved = self._prompt_logits
+                ran = self._prefill_ran
+            else:                                        # a regenerate: the prompt's pass is kept
                 self.kv.truncate(len(ids))
                 del self.history[len(ids):]
-                logits, ran, layers = saved[1], 0, saved[2]
+                self.exact_length = min(self.exact_length, len(ids))
                 if isinstance(self.ffn, PassAwareFfn):   # the steps follow the prompt's pass again
                     self.ffn.continue_after(saved[3])
-            else:
-                # Reuse the KV cache for the longest common prefix; at least one token must run.
-                common = 0
-                for a, b in zip(self.history, ids):
-                    if a != b:
-                        break
-                    common += 1
-                common = min(common, len(ids) - 1)
-                self.kv.truncate(common)
-                del self.history[common:]
-                recorder.start()
-                logits = self.model.transformer.forward(ids[common:], self.kv, self.ffn)[-1]
-                layers = recorder.take()
-                self.history.extend(ids[common:])
-                ran = len(ids) - common
-                self._prompt_logits = (tuple(ids), logits, layers,
-                                       self.ffn.pass_end() if isinstance(self.ffn, PassAwareFfn) else None)
+            logits, layers = saved[1], saved[2]
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
-                               token_text=self._token_text, recorder=recorder, first_layers=layers):
+                               token_text=self._token_text, recorder=recorder, first_layers=layers,
+                               logprobs=logprobs):
                 reply.append(step.text)
                 self.messages[-1]["content"] = "".join(reply)
                 yield step
         finally:
             self.messages[-1]["content"] = "".join(reply) + decoder.flush()
+
+    def prefill_steps(self, ids: list[int]) -> Iterator[int]:
+        """Run the prompt `ids` into the KV cache, one chunk of at most `prefill_chunk` positions per `next()`
+        (a server interleaves other requests' steps between them), yielding the positions still to run (0 after the
+        last chunk); a reply to `ids` then starts from its logits without running anything. Reuses the KV cache's
+        own longest common prefix, or a longer one from the shared prefix cache, and stores the prompt there when
+        its whole chunks (those a cold prefill of `ids` computes the same way, bit for bit)."""
+        ffn = self.ffn                      # one FFN for the whole prompt, even if the engine rebinds meanwhile
+        common = 0
+        for a, b in zip(self.history, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)    # at least one position runs: its logits start the reply
+        exact = min(self.exact_length, common)
+        namespace = self.kv_namespace(ffn) if self.kv_namespace is not None and self.prefix_cache is not None \
+            else None
+        self.reused_tokens = 0
+        if namespace is not None:
+            hit = self.prefix_cache.longest(namespace, ids, self.prefill_chunk)
+            if hit is not None and hit.length > common:
+                hit.copy_into(self.kv)
+                self.history[:] = ids[:hit.length]
+                common = exact = self.reused_tokens = hit.length
+        self.kv.truncate(common)
+        del self.history[common:]
+        self._prompt_logits = None
+        recorder = self.outcomes
+        recorder.attach(ffn)
+        logits = None
+        for start, stop in prefill_chunks(common, len(ids), self.prefill_chunk):
+            recorder.start()
+            logits = self.model.transformer.forward(ids[start:stop], self.kv, ffn)[-1]
+            self.history.extend(ids[start:stop])
+            if stop < len(ids):
+                yield len(ids) - stop
+        layers = recorder.take()
+        # Whole chunks run as a cold prefill runs them, after exact positions only, are exact (the last, partial
+        # one is not: a longer prompt runs those positions in a whole chunk).
+        whole = len(ids) - len(ids) % self.prefill_chunk
+        self.exact_length = whole if exact == common and common % self.prefill_chunk == 0 else exact
+        self._prefill_ran = len(ids) - common
+        self._prompt_logits = (tuple(ids), logits, layers,
+                               ffn.pass_end() if isinstance(ffn, PassAwareFfn) else None)
+        if namespace is not None and self.exact_length > common:
+            self.prefix_cache.store(namespace, ids[:self.exact_length], self.kv)
+        yield 0
 
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], special=True)
@@ -116,13 +170,15 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
 
-    def generate(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
+                 ) -> Iterator[TokenStep]:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
-        renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long."""
+        renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long.
+        `logprobs` (0..20): each step carries its token's log probability and that many alternatives'."""
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_fits(ids)
-        return self._generate_for(list(ids), settings)
+        return self._generate_for(list(ids), settings, logprobs)
 
     def regenerate(self, settings: SamplingSettings) -> Iterator[TokenStep]:
         """Drop the last reply and generate it again from the same context."""

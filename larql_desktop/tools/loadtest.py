@@ -9,7 +9,13 @@ Two modes:
         second, and adds up each reply's `larql_cache` counts, which must equal the change of the server's
         statistics over the run (nothing else may use the server meanwhile).
 
+  serve like a real inference server's clients (tools/serve_load.py): multi-turn TTFT by turn, shared-system-prompt
+        TTFT, aggregate tok/s at 1/2/4/8 clients, a small request beside a long prefill, prefill time by length;
+        `--compare URL` runs the same against another OpenAI server (llama-cpp-python's) and reports both.
+
     python -m larql_desktop.tools.loadtest URL [--mode walk|chat] --clients 8 --seconds 10 [--token T]
+    python -m larql_desktop.tools.loadtest URL --mode serve [--compare http://127.0.0.1:8000] [--turns 8]
+        [--client-counts 1,2,4,8] [--sizes 256,1024,2048] [--long-tokens 2048] [--parts multi_turn,...]
 
 Only the standard library's HTTP client is used, so the tool runs wherever the app is installed.
 """
@@ -314,7 +320,7 @@ def run_chat_load(url: str, model: str, *, clients: int = 8, seconds: float = 30
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m larql_desktop.tools.loadtest", description=__doc__.split("\n")[0])
     p.add_argument("url")
-    p.add_argument("--mode", choices=("walk", "chat"), default="walk")
+    p.add_argument("--mode", choices=("walk", "chat", "serve"), default="walk")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--pool", type=int, default=32, help="walk: distinct residuals (fewer: more hits)")
@@ -323,7 +329,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="chat: tokens per reply")
     p.add_argument("--temperature", type=float, default=0.0, help="chat: 0 (greedy) repeats replies exactly")
     p.add_argument("--token", default=None)
+    p.add_argument("--compare", default=None, help="serve: another OpenAI server's URL, measured the same way")
+    p.add_argument("--compare-token", default=None)
+    p.add_argument("--turns", type=int, default=8, help="serve: turns of the re-sent conversation")
+    p.add_argument("--shared-clients", type=int, default=4, help="serve: clients sharing a system prompt")
+    p.add_argument("--client-counts", default="1,2,4,8", help="serve: concurrent clients for aggregate tok/s")
+    p.add_argument("--replies", type=int, default=2, help="serve: replies per client for aggregate tok/s")
+    p.add_argument("--sizes", default="256,1024,2048", help="serve: prompt lengths whose prefill is timed")
+    p.add_argument("--long-tokens", type=int, default=2048, help="serve: the long prompt beside a small request")
+    p.add_argument("--beside-delay", type=float, default=1.5, help="serve: seconds between the long and small one")
+    p.add_argument("--parts", default="multi_turn,shared_prefix,aggregate,beside_long,prefill")
     args = p.parse_args(argv)
+    if args.mode == "serve":
+        from larql_desktop.tools.serve_load import run_serve_load
+
+        options = dict(turns=args.turns, max_tokens=args.max_tokens, shared_clients=args.shared_clients,
+                       client_counts=tuple(int(c) for c in args.client_counts.split(",")), replies=args.replies,
+                       long_tokens=args.long_tokens, beside_delay=args.beside_delay,
+                       sizes=tuple(int(n) for n in args.sizes.split(",")), parts=tuple(args.parts.split(",")))
+        report = {"larql": run_serve_load(args.url, None, token=args.token, **options)}
+        if args.compare:
+            report["compare"] = run_serve_load(args.compare, None, token=args.compare_token, **options)
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        errors = [e for side in report.values() for row in side.get("aggregate", ()) for e in row["errors"]]
+        return 0 if not errors else 1
     if args.mode == "chat":
         model = get_json(args.url, "/v1/models", args.token)["data"][0]["id"]
         res = run_chat_load(args.url, model, clients=args.clients, seconds=args.seconds, max_tokens=args.max_tokens,

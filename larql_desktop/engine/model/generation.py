@@ -132,6 +132,8 @@ class TokenStep:
     # forward pass whose logits this token was sampled from (empty when not recorded).
     alternatives: tuple[Alternative, ...] = ()
     layers: tuple[LayerOutcome, ...] = ()
+    # The sampled token's log probability and the top ones (logprobs.TokenLogprobs), when asked for.
+    logprobs: object = None
 
 
 def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: int = ALTERNATIVES,
@@ -228,16 +230,19 @@ class Sampler:
 def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first_seconds: float,
            first_tokens: int, ffn: FfnCall, settings: SamplingSettings, stop_ids: frozenset[int], decoder,
            context_limit: int, history: list[int], *, token_text: Callable[[int], str] | None = None,
-           recorder: OutcomeRecorder | None = None, first_layers: tuple[LayerOutcome, ...] = ()
-           ) -> Iterator[TokenStep]:
+           recorder: OutcomeRecorder | None = None, first_layers: tuple[LayerOutcome, ...] = (),
+           logprobs: int | None = None) -> Iterator[TokenStep]:
     """Sample from `first_logits` (the prompt's last position), then decode up to max_tokens.
 
     `history` (the token ids the KV cache holds) is extended as tokens are consumed. Stops on a stop id
     (yielded with is_stop=True), when `decoder` says it has `stopped` (a stop string: that step, carrying the
     text before it, has is_stop=True), at max_tokens, or when the context is full. With `token_text`, each step
     carries the top alternatives; with `recorder` (attached to `ffn`), the per-layer FFN outcomes of the
-    forward pass (`first_layers` for the prompt's pass).
+    forward pass (`first_layers` for the prompt's pass). With `logprobs` (0..20), each step carries the sampled
+    token's log probability and that many most likely tokens' (logprobs.TokenLogprobs).
     """
+    if logprobs is not None:
+        from larql_desktop.engine.model.logprobs import token_logprobs   # it imports this module
     sampler = Sampler(settings)
     logits, seconds, ran, layers = first_logits, first_seconds, first_tokens, first_layers
     # The model's softmax graph when it has one (its buffer is this reply's: replies run on several threads).
@@ -250,7 +255,8 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
         text = "" if stop else decoder.feed(token)
         stop = stop or getattr(decoder, "stopped", False)
         alternatives = top_alternatives(logits, token_text, softmax=softmax) if token_text is not None else ()
-        yield TokenStep(token, text, index, seconds, ran, stop, alternatives, layers)
+        chosen = token_logprobs(logits, token, logprobs) if logprobs is not None else None
+        yield TokenStep(token, text, index, seconds, ran, stop, alternatives, layers, chosen)
         if stop or index + 1 == settings.max_tokens or kv.length + 1 >= context_limit:
             return
         started = time.perf_counter()

@@ -1,0 +1,203 @@
+"""`loadtest --mode serve`: what a client of an inference server feels, measured with the OpenAI API alone, so the
+same run can point at this server and at another one (llama-cpp-python's `python -m llama_cpp.server`) beside it:
+
+  multi_turn     one conversation whose client re-sends the whole history each turn: time to first token by turn
+  shared_prefix  clients one after another, each with the same long system prompt and its own question: TTFT each
+  aggregate      N clients streaming greedy replies at once: completion tokens per second of all of them together
+  beside_long    a short request's TTFT alone, then sent while a long prompt (`--long-tokens`) is being prefilled
+  prefill        time of a 1-token completion of prompts of 256 / 1,024 / 2,048 tokens (the prompt's first words
+                 differ every run, so no server can serve them from a prefix cache)
+
+Only the standard library's HTTP client; the server must be on loopback. Prompts are text (every server takes text)
+sized from the server's own `usage.prompt_tokens` for a calibration prompt.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from urllib.parse import urlsplit
+
+from larql_desktop.tools.loadtest import _checked, _headers
+
+WORDS = ("amber", "basalt", "cobalt", "dolomite", "emerald", "feldspar", "garnet", "hematite", "jasper", "kyanite")
+SYSTEM = ("You are the guide of a museum of natural history. The museum has twelve halls: minerals, meteorites, "
+          "dinosaurs, early mammals, birds of the coast, the deep sea, insects, the ice age, volcanoes, human origins, "
+          "the living river and the garden of seeds. Answer visitors in one or two sentences, name the hall they "
+          "should visit, never invent opening hours or prices, and suggest one more hall nearby. ")
+
+
+class Client:
+    def __init__(self, url: str, model: str, token: str | None = None, timeout: float = 600.0):
+        self.host, self.port = _checked(url, 1, 1)
+        self.model, self.headers, self.timeout = model, _headers(token), timeout
+
+    def stream(self, path: str, body: dict) -> dict:
+        """One streamed request: seconds to the first text, total seconds, completion tokens and the reply text."""
+        body = {**body, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            t0 = time.perf_counter()
+            conn.request("POST", path, body=json.dumps(body).encode(), headers=self.headers)
+            r = conn.getresponse()
+            if r.status != 200:
+                raise RuntimeError(f"{path}: HTTP {r.status}: {r.read()[:300]!r}")
+            first, pieces, chunks, usage = None, [], 0, None
+            while True:
+                line = r.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    raise RuntimeError(str(doc["error"]))
+                usage = doc.get("usage") or usage
+                for choice in doc.get("choices") or ():
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text:
+                        first = first if first is not None else time.perf_counter() - t0
+                        pieces.append(text)
+                        chunks += 1
+            total = time.perf_counter() - t0
+        finally:
+            conn.close()
+        tokens = usage["completion_tokens"] if usage else chunks
+        return {"ttft": first if first is not None else total, "seconds": total, "tokens": tokens,
+                "prompt_tokens": usage.get("prompt_tokens") if usage else None, "text": "".join(pieces),
+                "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+    def chat(self, messages: list[dict], max_tokens: int) -> dict:
+        return self.stream("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                                    "temperature": 0})
+
+    def complete(self, prompt: str, max_tokens: int) -> dict:
+        return self.stream("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def filler(sentences: int, salt: int) -> str:
+    """Text whose first words differ with `salt` (no prefix is shared between runs)."""
+    return f"Catalogue {salt}. " + " ".join(f"Drawer {salt}-{i} holds {WORDS[i % len(WORDS)]} from site {i * 7 % 97}."
+                                            for i in range(sentences))
+
+
+def _rounded(x: float) -> float:
+    return round(x, 3)
+
+
+def multi_turn(client: Client, turns: int, max_tokens: int) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"I am on my visit's step {turn + 1}. Which hall shows "
+                                                    f"{WORDS[turn % len(WORDS)]}, and what is next to it?"})
+        r = client.chat(messages, max_tokens)
+        messages.append({"role": "assistant", "content": r["text"]})
+        out.append({"turn": turn + 1, "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
+                    "ttft_s": _rounded(r["ttft"])})
+    return out
+
+
+def shared_prefix(client: Client, clients: int, max_tokens: int, salt: int) -> list[dict]:
+    system = f"Visitor desk {salt}. " + SYSTEM * 3
+    return [{"client": i + 1, "ttft_s": _rounded(r["ttft"]), "cached_tokens": r["cached_tokens"],
+             "prompt_tokens": r["prompt_tokens"]}
+            for i, r in enumerate(client.chat([{"role": "system", "content": system},
+                                               {"role": "user", "content": f"Where is the {w} drawer?"}], max_tokens)
+                                  for w in WORDS[:clients])]
+
+
+def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) -> list[dict]:
+    out = []
+    for n in counts:
+        tokens = [0] * n
+        errors: list[str] = []
+
+        def one(index: int) -> None:
+            try:
+                for r in range(replies):
+                    tokens[index] += client.chat([{"role": "user", "content": f"Client {index} reply {r}: describe "
+                                                   f"{WORDS[(index + r) % len(WORDS)]} in detail."}], max_tokens)["tokens"]
+            except Exception as exc:   # noqa: BLE001 - reported, not hidden
+                errors.append(repr(exc))
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        out.append({"clients": n, "tokens": sum(tokens), "seconds": _rounded(seconds),
+                    "tok_per_s": round(sum(tokens) / seconds, 1), "per_client_tokens": tokens, "errors": errors})
+    base = out[0]["tok_per_s"] if out and out[0]["clients"] == 1 else None
+    for row in out:
+        row["vs_one_client"] = round(row["tok_per_s"] / base, 2) if base else None
+    return out
+
+
+def sentences_for(client: Client, tokens: int) -> int:
+    probe = client.complete(filler(40, 0), 1)["prompt_tokens"] or 40 * 10
+    return max(1, round(40 * tokens / probe))
+
+
+def beside_long(client: Client, long_tokens: int, delay: float, salt: int) -> dict:
+    small = [{"role": "user", "content": "Hi"}]
+    alone = client.chat(small, 4)["ttft"]
+    long_prompt = filler(sentences_for(client, long_tokens), salt)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(client.complete(long_prompt, 1)), daemon=True)
+    worker.start()
+    time.sleep(delay)        # a tool, not a test: the small request arrives while the long prefill runs
+    beside = client.chat(small, 4)["ttft"]
+    worker.join()
+    return {"small_alone_ttft_s": _rounded(alone), "small_beside_long_ttft_s": _rounded(beside),
+            "ratio": round(beside / alone, 2) if alone else None, "long_prompt_tokens": result.get("prompt_tokens"),
+            "long_seconds": _rounded(result.get("seconds", float("nan")))}
+
+
+def prefill(client: Client, sizes: list[int], salt: int) -> list[dict]:
+    out = []
+    for i, size in enumerate(sizes):
+        r = client.complete(filler(sentences_for(client, size), salt * 100 + i + 1), 1)
+        out.append({"target_tokens": size, "prompt_tokens": r["prompt_tokens"], "seconds": _rounded(r["seconds"])})
+    return out
+
+
+def run_serve_load(url: str, model: str | None, *, token: str | None = None, turns: int = 8, max_tokens: int = 32,
+                   shared_clients: int = 4, client_counts: tuple[int, ...] = (1, 2, 4, 8), replies: int = 2,
+                   long_tokens: int = 2048, beside_delay: float = 1.5, sizes: tuple[int, ...] = (256, 1024, 2048),
+                   parts: tuple[str, ...] = ("multi_turn", "shared_prefix", "aggregate", "beside_long", "prefill")
+                   ) -> dict:
+    if model is None:
+        model = _first_model(url, token)
+    client = Client(url, model, token)
+    salt = int(time.time() * 1000) % 1_000_000
+    report: dict = {"url": url, "model": model}
+    if "multi_turn" in parts:
+        report["multi_turn"] = rows = multi_turn(client, turns, max_tokens)
+        report["multi_turn_last_vs_first"] = round(rows[-1]["ttft_s"] / rows[0]["ttft_s"], 2) if rows[0]["ttft_s"] \
+            else None
+    if "shared_prefix" in parts:
+        report["shared_prefix"] = rows = shared_prefix(client, shared_clients, max_tokens, salt)
+        later = [r["ttft_s"] for r in rows[1:]]
+        report["shared_prefix_later_vs_first"] = round(sum(later) / len(later) / rows[0]["ttft_s"], 2) \
+            if later and rows[0]["ttft_s"] else None
+    if "aggregate" in parts:
+        report["aggregate"] = aggregate(client, list(client_counts), max_tokens, replies)
+    if "beside_long" in parts:
+        report["beside_long"] = beside_long(client, long_tokens, beside_delay, salt)
+    if "prefill" in parts:
+        report["prefill"] = prefill(client, list(sizes), salt)
+    return report
+
+
+def _first_model(url: str, token: str | None) -> str:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
+    try:
+        conn.request("GET", "/v1/models", headers=_headers(token))
+        return json.loads(conn.getresponse().read())["data"][0]["id"]
+    finally:
+        conn.close()

@@ -1,0 +1,271 @@
+"""Serving like an inference server, through the real `openai` client against a real server on loopback over the real
+SmolLM2: logprobs (plain and streamed, equal to a log-softmax of the engine's own logits), the KV prefix cache shared by
+every request (bit-identical to recomputing, invalidated by patches, bounded in bytes) and chunked prefill."""
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from larql_desktop.api.server import start_server
+from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture
+def served(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings())
+    handle = start_server(engine, "127.0.0.1", 0)
+    yield engine, handle
+    handle.stop()
+
+
+def _client(handle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{handle.url}/v1", api_key="anything", max_retries=0, timeout=300)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    shifted = z - z.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def _greedy_logprobs(engine, ids: list[int], steps: int) -> list[np.ndarray]:
+    """The log-softmax of the engine's logits at the prompt's end and after each greedy token (a session of its
+    own, the same FFN settings): what the server must report."""
+    session = engine.new_session()
+    try:
+        model = engine.model.transformer
+        kv = KvCache(engine.model.config)
+        logits = model.forward(ids, kv, session.ffn)[-1]
+        out = []
+        for _ in range(steps):
+            out.append(_log_softmax(logits))
+            logits = model.forward([int(np.argmax(logits))], kv, session.ffn)[-1]
+        return out
+    finally:
+        engine.close_session(session)
+
+
+def _text(tokenizer, token_id: int) -> str:
+    return tokenizer.piece_bytes(token_id, special=True).decode("utf-8", errors="replace")
+
+
+def _check_chat_logprobs(engine, content: list, top_n: int) -> None:
+    tok = engine.model.tokenizer
+    expected = _greedy_logprobs(engine, engine.model.encode_prompt(QUESTION), len(content))
+    for entry, lp in zip(content, expected, strict=True):
+        chosen = int(np.argmax(lp))
+        assert entry.token == _text(tok, chosen) and entry.bytes == list(tok.piece_bytes(chosen, special=True))
+        assert entry.logprob == pytest.approx(lp[chosen], abs=1e-6)
+        top = np.argsort(-lp, kind="stable")[:top_n]
+        assert [t.token for t in entry.top_logprobs] == [_text(tok, int(i)) for i in top]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], lp[top], atol=1e-6)
+
+
+def test_chat_logprobs_plain_and_streamed_equal_the_engines_log_softmax(served):
+    engine, handle = served
+    client = _client(handle)
+    reply = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
+                                           logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens > 0
+    _check_chat_logprobs(engine, content, 5)
+    # The sampling settings do not change the reported distribution (it is the raw logits'), only the choice.
+    hot = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=1.5, top_p=0.5,
+                                         max_tokens=1, logprobs=True, top_logprobs=3, seed=1)
+    assert [t.logprob for t in hot.choices[0].logprobs.content[0].top_logprobs] == \
+        [t.logprob for t in content[0].top_logprobs[:3]]
+
+    streamed = []
+    for chunk in client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
+                                                logprobs=True, top_logprobs=5, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+    plain = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="smollm2", messages=QUESTION, logprobs=True, top_logprobs=21)
+
+
+def test_completion_logprobs_plain_and_streamed_equal_the_engines_log_softmax(served):
+    engine, handle = served
+    client = _client(handle)
+    tok = engine.model.tokenizer
+    prompt = "The three primary colours are"
+    reply = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=6, logprobs=4)
+    lps = reply.choices[0].logprobs
+    n = reply.usage.completion_tokens
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(lps.top_logprobs) == len(lps.text_offset) == n
+    expected = _greedy_logprobs(engine, tok.encode(prompt), n)
+    for i, lp in enumerate(expected):
+        chosen = int(np.argmax(lp))
+        assert lps.tokens[i] == _text(tok, chosen)
+        assert lps.token_logprobs[i] == pytest.approx(lp[chosen], abs=1e-6)
+        top = np.argsort(-lp, kind="stable")[:4]
+        assert list(lps.top_logprobs[i]) == [_text(tok, int(t)) for t in top]
+        np.testing.assert_allclose(list(lps.top_logprobs[i].values()), lp[top], atol=1e-6)
+    assert lps.text_offset[0] == 0 and lps.text_offset == sorted(lps.text_offset)
+    assert reply.choices[0].text.startswith(lps.tokens[0])
+
+    tokens, logprobs = [], []
+    for chunk in client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=6,
+                                           logprobs=4, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            logprobs += chunk.choices[0].logprobs.token_logprobs
+    assert tokens == lps.tokens and logprobs == lps.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="smollm2", prompt=prompt, logprobs=25)
+
+
+# ----------------------------------------------------------------------------------------------- prefix cache
+SYSTEM = ("You are a careful assistant for a museum of natural history. Answer in one short sentence, name the "
+          "exhibit hall where the visitor can see what they ask about, and never invent opening hours. ") * 3
+
+
+def _ask(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def _greedy(client, messages, n: int = 6):
+    reply = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=n,
+                                           logprobs=True, top_logprobs=20)
+    entries = [(e.token, e.logprob, tuple(t.logprob for t in e.top_logprobs))
+               for e in reply.choices[0].logprobs.content]
+    return reply, entries
+
+
+def _prefill_state(session, ids):
+    for _ in session.prefill_steps(ids):
+        pass
+    kv = session.kv
+    return (session._prompt_logits[1].copy(), [k[:, :kv.length].copy() for k in kv.keys],
+            [v[:, :kv.length].copy() for v in kv.values])
+
+
+def _assert_same_state(a, b):
+    assert np.array_equal(a[0], b[0])                 # logits, bit for bit
+    for x, y in zip(a[1] + a[2], b[1] + b[2], strict=True):
+        assert np.array_equal(x, y)                   # every layer's keys and values
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_prefix_hit_is_bit_identical_to_a_cold_prefill(name, request):
+    model = request.getfixturevalue(name)
+    text = "The museum's hall of minerals holds quartz, beryl, topaz and a meteorite from Namibia. " * 8
+    ids = model.tokenizer.encode(text)[:150]
+    cold = _prefill_state(LarqlEngine(model, prefill_chunk=32, prefix_cache_bytes=0).new_session(), ids)
+    for stored, reused in ((60, 32), (64, 64), (149, 128), (150, 128)):
+        shared = LarqlEngine(model, prefill_chunk=32)
+        _prefill_state(shared.new_session(), ids[:stored] if stored < 150 else ids)
+        session = shared.new_session()
+        _assert_same_state(_prefill_state(session, ids), cold)
+        assert session.reused_tokens == reused and shared.prefix_cache.stats().hits == 1
+    # A prompt that differs inside the first chunk reuses nothing.
+    other = LarqlEngine(model, prefill_chunk=32)
+    _prefill_state(other.new_session(), ids[:10] + [ids[11]] + ids[11:])      # differs at position 10
+    assert other.prefix_cache.longest(other.kv_namespace(other.new_session().ffn), ids, 32) is None
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_chunked_prefill_agrees_with_one_pass(name, request):
+    """onnxruntime rounds a row differently in passes of other lengths (prefix_cache.py), so a chunked prefill is
+    not bit-identical to one pass: it must agree to rounding (the same next token, logits within 1 of ~20)."""
+    model = request.getfixturevalue(name)
+    text = "The museum's hall of minerals holds quartz, beryl, topaz and a meteorite from Namibia. " * 8
+    ids = model.tokenizer.encode(text)[:150]
+    one_pass = _prefill_state(LarqlEngine(model, prefill_chunk=10 ** 6, prefix_cache_bytes=0).new_session(), ids)
+    chunked = _prefill_state(LarqlEngine(model, prefill_chunk=64, prefix_cache_bytes=0).new_session(), ids)
+    assert np.argmax(chunked[0]) == np.argmax(one_pass[0])
+    assert float(np.abs(chunked[0] - one_pass[0]).max()) < 1.0
+
+
+def test_a_prefix_hit_serves_exactly_what_a_cold_cache_does(served):
+    engine, handle = served
+    client = _client(handle)
+    first, _ = _greedy(client, _ask("Where are the dinosaur skeletons?"))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    warm, warm_entries = _greedy(client, _ask("Where can I see meteorites?"))
+    shared = warm.usage.prompt_tokens_details.cached_tokens
+    chunk = engine.prefill_chunk
+    a, b = (engine.model.encode_prompt(_ask(q)) for q in ("Where are the dinosaur skeletons?",
+                                                           "Where can I see meteorites?"))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared == common - common % chunk > 0      # the shared system prompt, in whole chunks
+    stats = client.get("/cache-stats", cast_to=object)["prefix_cache"]
+    assert stats["hits"] == 1 and stats["reused_tokens"] == shared and 0 < stats["bytes"] <= stats["max_bytes"]
+
+    engine.clear_caches()                             # the prefix cache, L2 and every L1: all cold
+    cold, cold_entries = _greedy(client, _ask("Where can I see meteorites?"))
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm_entries == cold_entries and warm.choices[0].message.content == cold.choices[0].message.content
+    # The FFN counts are what the request ran: a prefill pass per chunk it computed (reused chunks ran no FFN),
+    # then the same decode steps.
+    warm_cache, cold_cache = warm.model_extra["larql_cache"], cold.model_extra["larql_cache"]
+    layers, n = engine.model.config.n_layers, warm.usage.prompt_tokens
+    assert warm_cache["bypasses"]["prefill"] == layers * -(-(n - shared) // chunk)
+    assert cold_cache["bypasses"]["prefill"] == layers * -(-n // chunk)
+    assert warm_cache["lookups"] == cold_cache["lookups"] > 0
+    assert warm_cache["ffn_calls"] - warm_cache["bypasses"]["prefill"] == \
+        cold_cache["ffn_calls"] - cold_cache["bypasses"]["prefill"]
+
+
+def test_a_resent_conversation_reuses_its_previous_prompt(served):
+    engine, handle = served
+    client = _client(handle)
+    messages = _ask("Where are the dinosaur skeletons?")
+    for turn in range(3):
+        reply, _ = _greedy(client, messages, n=12)
+        if turn:
+            # The previous turn's prompt in whole chunks (its reply was decoded: it is prefilled once, now).
+            chunk = engine.prefill_chunk
+            assert reply.usage.prompt_tokens_details.cached_tokens == previous_prompt - previous_prompt % chunk
+        previous_prompt = reply.usage.prompt_tokens
+        messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                               {"role": "user", "content": f"And what else is in hall {turn + 2}?"}]
+    assert engine.prefix_cache.stats().entries == 1   # each turn's prompt replaced the one it extends
+
+
+def test_a_patch_between_two_turns_invalidates_the_prefix(served):
+    engine, handle = served
+    client = _client(handle)
+    _greedy(client, _ask("Where are the dinosaur skeletons?"))
+    before, before_entries = _greedy(client, _ask("Where can I see meteorites?"))
+    assert before.usage.prompt_tokens_details.cached_tokens > 0
+    cfg = engine.model.config
+    down = np.random.default_rng(3).standard_normal(cfg.hidden).astype(np.float32)
+    engine.apply_patch(Patch((PatchOperation("update", 1, 11, down=down),), engine.model.name,
+                             engine.model.checksum))
+    after, after_entries = _greedy(client, _ask("Where can I see meteorites?"))
+    assert after.usage.prompt_tokens_details.cached_tokens == 0      # the old KV is never served
+    assert after_entries != before_entries                           # the patch changes what the model computes
+    again, again_entries = _greedy(client, _ask("Where can I see meteorites?"))
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and again_entries == after_entries
+
+
+def test_the_prefix_caches_byte_bound_holds_under_a_flood_of_distinct_prompts(smollm2):
+    cfg = smollm2.config
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    chunk = 64
+    budget = per_token * chunk * 3                    # three prompts' whole chunks
+    engine = LarqlEngine(smollm2, walk=WalkSettings(), prefix_cache_bytes=budget, prefill_chunk=chunk)
+    handle = start_server(engine, "127.0.0.1", 0)
+    try:
+        client = _client(handle)
+        for i in range(12):
+            prompt = f"Visitor {i} asks about exhibit {i * 37}. " + "The hall of minerals holds quartz. " * 12
+            assert chunk < len(smollm2.tokenizer.encode(prompt)) < 2 * chunk
+            client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=1)
+            stats = engine.prefix_cache.stats()
+            assert 0 < stats.bytes <= budget and stats.bytes == sum(
+                e.nbytes for e in engine.prefix_cache._entries.values())
+        assert stats.evictions > 0 and stats.stored == 12 and stats.entries == stats.stored - stats.evictions
+    finally:
+        handle.stop()
