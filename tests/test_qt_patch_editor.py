@@ -96,12 +96,15 @@ def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answ
     assert chat.rendered.startswith("<|im_start|>system") and chat.rendered.endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{QUESTION}<|im_end|>" in chat.rendered
 
-    # The table shows the same rows, one line per cell, the rendered chat prompt in the prompt's tooltip.
-    assert [editor.fact_table.horizontalHeaderItem(c).text() for c in range(7)] == FACT_PROBE_COLUMNS
+    # The table shows the same rows, the rendered chat prompt in the prompt's tooltip; the detail pane the
+    # selected row's continuations in full.
+    columns = FACT_PROBE_COLUMNS
+    assert [editor.fact_table.horizontalHeaderItem(c).text() for c in range(len(columns))] == columns
     rows = table_rows(editor)
     assert [r[0] for r in rows] == kinds and rows[0][1] == FACT.canonical_prompt
-    assert rows[0][3] == " ".join(canonical.after.split("\n")) and rows[0][6] == "yes (was no)"
-    assert rows[0][5] == f"{canonical.p_after:.3f}"
+    assert rows[0][columns.index("Answers")] == "yes (was no)"
+    assert rows[0][columns.index("P after")] == f"{canonical.p_after:.3f}"
+    assert editor.fact_table.currentRow() == 0 and canonical.after.strip() in editor.fact_detail_text
     assert editor.fact_table.item(3, 1).toolTip() == chat.rendered
     answered = sum(row.answers_after for row in probed.rows)
     assert f"answers on {answered} of 4 prompts" in editor.fact_probe_label.text()
@@ -125,7 +128,7 @@ def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answ
     assert again.request_id != probed.request_id and [r.kind for r in again.rows] == kinds
     assert all(r.after == r.before and r.p_after == r.p_before for r in again.rows)
     assert again.rows[0].before == canonical.before            # the unpatched half does not depend on patches
-    assert table_rows(editor)[0][6] == "no"
+    assert table_rows(editor)[0][FACT_PROBE_COLUMNS.index("Answers")] == "no"
 
 
 def test_a_chat_tab_answers_with_a_loaded_patch_file(loaded, qtbot, saved_patch):

@@ -127,4 +127,7 @@ class CompletionRun:
             counts = cache_counts(None, self.engine.session_snapshot(self.session))
             self._result = CompletionResult("".join(self._emitted), self.prompt_tokens, self.completion_tokens,
                                             self.finish_reason, counts, self.cached_tokens)
+            # Every client's completion moved the shared statistics: tell the subscribers (the window's monitor),
+            # as a walk request does.
+            self.engine.note_activity("api")
         return self._result

@@ -93,6 +93,7 @@ class MainWindow(QMainWindow):
         self.setWindowIcon(app_icon())
         self.setObjectName("mainWindow")
 
+        self._panels: list[tuple[QDockWidget, Qt.DockWidgetArea]] = []   # each dock and its default area
         self._build_actions()
         self._build_menus()
         self.sampling = SamplingPanel()
@@ -173,6 +174,8 @@ class MainWindow(QMainWindow):
         self.export_json_action = self._action("Export chat as &JSON…", lambda: self.export_dialog("json"))
         self.copy_reply_action = self._action("&Copy last reply", self.copy_last_reply, ["Ctrl+Shift+C"])
         self.show_tokens_action = self._action("Show &tokens of the last reply", self.show_last_reply_tokens)
+        self.reset_layout_action = self._action("&Reset layout", self.reset_layout,
+                                                tip="Put every panel back where it starts, at its first size")
         self.dark_theme_action = self._action("&Dark theme", self.set_dark_theme)
         self.dark_theme_action.setCheckable(True)
         # Connected to _on_serve_toggled once the controller exists (restoring the setting may check it).
@@ -196,6 +199,7 @@ class MainWindow(QMainWindow):
         view_menu = bar.addMenu("&View")
         view_menu.addAction(self.dark_theme_action)
         self.panels_menu = view_menu.addMenu("&Panels")
+        view_menu.addAction(self.reset_layout_action)
         server_menu = bar.addMenu("&Server")
         server_menu.addAction(self.serve_action)
 
@@ -289,16 +293,46 @@ class MainWindow(QMainWindow):
         dock.setObjectName(f"panel:{title}")
         dock.setWidget(widget)
         widget.setAccessibleName(f"{title} panel")
-        existing = [d for d in self.findChildren(QDockWidget) if d is not dock and self.dockWidgetArea(d) == area]
-        self.addDockWidget(area, dock)
-        if existing:
-            self.tabifyDockWidget(existing[-1], dock)
+        self._place_panel(dock, area)
+        self._panels.append((dock, area))
         toggle = dock.toggleViewAction()
         if shortcut:
             toggle.setShortcut(QKeySequence(shortcut))
             self.addAction(toggle)
         self.panels_menu.addAction(toggle)
         return dock
+
+    def _place_panel(self, dock: QDockWidget, area: Qt.DockWidgetArea) -> None:
+        """Dock a panel in `area`, tabbed behind the panels already there."""
+        existing = [d for d, a in self._panels if d is not dock and a == area and self.dockWidgetArea(d) == area
+                    and not d.isFloating()]
+        self.addDockWidget(area, dock)
+        if existing:
+            self.tabifyDockWidget(existing[-1], dock)
+
+    @Slot()
+    def reset_layout(self) -> None:
+        """View > Reset layout: every panel docked, shown and tabbed where it starts, at its first size."""
+        for dock, _ in self._panels:
+            self.removeDockWidget(dock)
+        placed: list[QDockWidget] = []
+        for dock, area in self._panels:
+            dock.setFloating(False)
+            self.addDockWidget(area, dock)
+            same_area = [d for d in placed if self.dockWidgetArea(d) == area]
+            if same_area:
+                self.tabifyDockWidget(same_area[-1], dock)
+            dock.show()
+            placed.append(dock)
+        self._default_dock_sizes()
+
+    def _default_dock_sizes(self) -> None:
+        self.patch_editor_dock.raise_()
+        # The right-hand panels as wide as their widest minimum (the patch editor's form, never scrolled
+        # sideways); the monitor under the chats takes under half the height, so the chat stays the main view.
+        right = max(400, max(d.minimumSizeHint().width() for d, a in self._panels if a == Qt.RightDockWidgetArea))
+        self.resizeDocks([self.patch_editor_dock], [right], Qt.Horizontal)
+        self.resizeDocks([self.monitor_dock], [max(300, int(self.height() * 0.4))], Qt.Vertical)
 
     # --- chats ---
 
@@ -815,9 +849,7 @@ class MainWindow(QMainWindow):
         if state is not None:
             self.restoreState(state)
         else:
-            self.patch_editor_dock.raise_()
-            self.resizeDocks([self.patch_editor_dock], [400], Qt.Horizontal)
-            self.resizeDocks([self.monitor_dock], [420], Qt.Vertical)
+            self._default_dock_sizes()
         self.set_dark_theme(str(s.value("view/dark", "false")).lower() == "true")
         self.sampling.restore(s)
         self.monitor.restore(s)

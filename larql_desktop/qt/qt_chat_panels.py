@@ -31,6 +31,8 @@ class ChatsPanel(QWidget):
         self.search.textChanged.connect(self.search_changed)
         self.list = QListWidget()
         self.list.setAccessibleName("Saved chats")
+        self.list.setWordWrap(True)   # a long title wraps; the list never scrolls sideways
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.list.itemActivated.connect(lambda item: self.open_requested.emit(item.data(Qt.UserRole)))
         buttons = QHBoxLayout()
         for text, signal in (("Open", self.open_requested), ("Rename", self.rename_requested),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import html
+
 from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox,
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
-                               QScrollArea, QSpinBox, QTableWidget, QTableWidgetItem, QTreeWidget, QTreeWidgetItem,
-                               QVBoxLayout, QWidget)
+                               QScrollArea, QSizePolicy, QSpinBox, QStyle, QTableWidget, QTableWidgetItem,
+                               QTextBrowser, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.qt.protocol import (ErrorReport, FactProbed, InsertCancelled, InsertFact, InsertFinished,
                                        InsertProgress, LoadPatchFile, ModelInfo, PatchesChanged, PatchSaved, ProbeFact,
@@ -21,7 +23,9 @@ _FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, ProbeFact
                  LoadPatchFile: PatchesChanged, RemovePatch: PatchesChanged, SavePatch: PatchSaved}
 _PATCH_CONTEXTS = ("INSERT", "Probe", "Probe fact", "Loading patch file", "Saving patch", "Removing patch",
                    "Restoring patches")
-FACT_PROBE_COLUMNS = ["Kind", "Prompt", "Before", "After", "P before", "P after", "Answers"]
+# Before and after are whole continuations: the selected row's are shown in full, wrapped, under the table (seven
+# columns in a 400 px panel squeezed every text column to "T..."; the table keeps what compares at a glance).
+FACT_PROBE_COLUMNS = ["Kind", "Prompt", "P before", "P after", "Answers"]
 _PATCH_FILTER = "LARQL patches (*.json *.vlp);;All files (*)"
 
 
@@ -68,6 +72,12 @@ class PatchEditor(QWidget):
         scroll.setWidget(content)
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QScrollArea.NoFrame)
+        # Never sideways: the panel (and so its dock) is at least as wide as the form's narrowest layout, the
+        # INSERT's Cancel button and progress included (they keep their place while hidden).
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        scroll.setMinimumWidth(content.minimumSizeHint().width()
+                               + scroll.style().pixelMetric(QStyle.PM_ScrollBarExtent) + 2)
+        self.scroll = scroll
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.addWidget(scroll)
@@ -115,6 +125,7 @@ class PatchEditor(QWidget):
         self.cancel_button.setAccessibleName("Cancel INSERT")
         self.cancel_button.setToolTip("Stop the INSERT at its next step; nothing is applied")
         self.cancel_button.clicked.connect(self.cancel_insert)
+        _keep_place_when_hidden(self.cancel_button)
         self.cancel_button.hide()
         self._insert_request: InsertFact | None = None
         self.progress = QProgressBar()
@@ -124,6 +135,8 @@ class PatchEditor(QWidget):
         self.progress.hide()
         self.progress_label = QLabel("")
         self.progress_label.setWordWrap(True)
+        # A long progress message wraps within the panel's width instead of widening it.
+        self.progress_label.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.progress_label.setAccessibleName("INSERT progress message")
         form = QFormLayout(box)
         form.addRow("Entity", self.entity)
@@ -157,19 +170,32 @@ class PatchEditor(QWidget):
         self.fact_probe_label.setWordWrap(True)
         self.fact_probe_label.setAccessibleName("Fact probe summary")
         self.fact_table = read_only_table(FACT_PROBE_COLUMNS, "Fact probe results", stretch=False)
-        self.fact_table.setWordWrap(False)
+        self.fact_table.setWordWrap(True)                  # a long prompt wraps onto a second line
+        self.fact_table.setSelectionBehavior(QAbstractItemView.SelectRows)
+        self.fact_table.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.fact_table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         header = self.fact_table.horizontalHeader()
         for col, name in enumerate(FACT_PROBE_COLUMNS):
-            header.setSectionResizeMode(col, QHeaderView.Stretch if name in ("Prompt", "Before", "After")
-                                        else QHeaderView.ResizeToContents)
-        self.fact_table.setMinimumHeight(self.fact_table.verticalHeader().defaultSectionSize() * 6
+            header.setSectionResizeMode(col, QHeaderView.Stretch if name == "Prompt" else QHeaderView.ResizeToContents)
+        # The stretched prompt column keeps at least its header's width: the table is never narrower than
+        # every header side by side.
+        self.fact_table.setMinimumWidth(sum(header_text_width(header, name) for name in FACT_PROBE_COLUMNS)
+                                        + 2 * self.fact_table.frameWidth()
+                                        + self.fact_table.style().pixelMetric(QStyle.PM_ScrollBarExtent))
+        self.fact_table.setMinimumHeight(self.fact_table.verticalHeader().defaultSectionSize() * 5
                                          + header.sizeHint().height())
+        self.fact_table.currentCellChanged.connect(lambda row, *_: self._show_fact_detail(row))
+        self.fact_detail = QTextBrowser()
+        self.fact_detail.setAccessibleName("Fact probe detail")
+        self.fact_detail.setPlaceholderText("The selected prompt's continuations, before and after the patches.")
+        self.fact_detail.setMinimumHeight(self.fact_detail.fontMetrics().lineSpacing() * 7)
         layout = QVBoxLayout(box)
         row = QHBoxLayout()
         row.addWidget(self.fact_probe_label, 1)
         row.addWidget(self.fact_probe_button)
         layout.addLayout(row)
         layout.addWidget(self.fact_table)
+        layout.addWidget(self.fact_detail)
         return box
 
     def _build_probe(self) -> QGroupBox:
@@ -374,6 +400,7 @@ class PatchEditor(QWidget):
         self.last_fact = None        # inserted into the previous model's engine
         self.last_fact_probes = None
         self.fact_table.setRowCount(0)
+        self.fact_detail.clear()
         self.progress.hide()
         self._update_enabled()
 
@@ -417,21 +444,45 @@ class PatchEditor(QWidget):
             answers = "yes" if row.answers_after else "no"
             if row.answers_after != row.answers_before:
                 answers += f" (was {'yes' if row.answers_before else 'no'})"
-            cells = (row.kind, row.prompt, row.before, row.after, _probability(row.p_before),
-                     _probability(row.p_after), answers)
-            tips = (None, row.rendered, row.before, row.after, None, None,
+            cells = (row.kind, row.prompt, _probability(row.p_before), _probability(row.p_after), answers)
+            tips = (None, row.rendered, None, None,
                     "the reply names the target" if row.kind == "chat" else
                     "the continuation starts with the whole target")
             for c, (text, tip) in enumerate(zip(cells, tips)):
-                item = QTableWidgetItem(_one_line(text))   # one line per cell; the tooltip has all
+                item = QTableWidgetItem(_one_line(text))   # the detail pane has the continuations in full
                 if tip:
                     item.setToolTip(tip)
-                if c in (4, 5):
+                if c in (2, 3):
                     item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                 self.fact_table.setItem(r, c, item)
+        self.fact_table.resizeRowsToContents()
+        if rows:
+            self.fact_table.setCurrentCell(0, 1)
+        self._show_fact_detail(self.fact_table.currentRow())
         answered = sum(row.answers_after for row in rows)
         self.fact_probe_label.setText(f"({event.entity}, {event.relation}, {event.target}): answers on "
                                       f"{answered} of {len(rows)} prompts with the patches applied.")
+
+    def _show_fact_detail(self, row: int) -> None:
+        """The selected probe row in full: its prompt, and what the model continued it with before and after."""
+        rows = self.last_fact_probes.rows if self.last_fact_probes is not None else ()
+        if not 0 <= row < len(rows):
+            self.fact_detail.clear()
+            return
+        probe = rows[row]
+
+        def para(title: str, text: str, p: float | None = None) -> str:
+            chance = f" <span style='color:gray'>P(target) = {_probability(p)}</span>" if p is not None else ""
+            body = html.escape(text).replace("\n", "<br>")
+            return f"<p><b>{title}</b>{chance}<br>{body}</p>"
+
+        self.fact_detail.setHtml(para(f"{probe.kind.capitalize()} prompt", probe.prompt)
+                                 + para("Before", probe.before, probe.p_before)
+                                 + para("After", probe.after, probe.p_after))
+
+    @property
+    def fact_detail_text(self) -> str:
+        return self.fact_detail.toPlainText()
 
     @Slot()
     def _suggest_probe(self) -> None:
@@ -483,3 +534,17 @@ class PatchEditor(QWidget):
         except (TypeError, ValueError):
             pass
         store.endGroup()
+
+
+def header_text_width(header: QHeaderView, text: str) -> int:
+    """The width a header section needs to show `text` whole (its text, the style's margins on both sides)."""
+    margin = header.style().pixelMetric(QStyle.PM_HeaderMargin, None, header)
+    return header.fontMetrics().horizontalAdvance(text) + 2 * margin + 4
+
+
+def _keep_place_when_hidden(widget: QWidget) -> None:
+    """A widget that comes and goes (INSERT's Cancel and progress) keeps its place, so showing it never widens
+    the form."""
+    policy = widget.sizePolicy()
+    policy.setRetainSizeWhenHidden(True)
+    widget.setSizePolicy(policy)
