@@ -254,14 +254,14 @@ def cmd_insert_eval(args) -> int:
 
     from larql_desktop.tools.insert_eval import default_engine_factory, format_report, read_facts, run_insert_eval
 
-    facts, controls = read_facts(args.facts)
+    facts, controls = read_facts(args.facts, generate_conversations=not args.no_generated_conversations)
     if args.limit is not None:
         if args.limit < 1:
             raise ValueError(f"--limit must be at least 1, not {args.limit}")
         facts = facts[:args.limit]
     model = _load(args, quiet_progress=True)
     report = run_insert_eval(default_engine_factory(model, dense=args.ffn == "dense"), facts, controls,
-                             use_paraphrases=args.use_paraphrases,
+                             use_paraphrases=args.use_paraphrases, together=args.together,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
     for line in format_report(report):
         print(line)
@@ -510,6 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hand the file's paraphrases to INSERT too (default: it sees only the fact, so the "
                          "paraphrases measure generalisation)")
     ev.add_argument("--limit", type=int, default=None, help="only the first N facts")
+    ev.add_argument("--together", type=int, default=None, metavar="N",
+                    help="install the first N facts together (all kept, no one-at-a-time pass), then measure "
+                         "every one, the neighbours and the controls, and remove one")
+    ev.add_argument("--no-generated-conversations", action="store_true",
+                    help="only the file's own conversation cases, none generated from the relations")
     ev.set_defaults(func=cmd_insert_eval)
 
     patch = sub.add_parser("patch", help="validate or apply a patch file")

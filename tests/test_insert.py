@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -129,18 +130,58 @@ def test_facts_files_are_checked(tmp_path):
 
 def test_insert_eval_on_one_fact(smollm2, tmp_path):
     facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
-    report = run_insert_eval(default_engine_factory(smollm2), facts[:1], controls[:2])
+    # Two of the conversations generated from the relation: an earlier turn under the same relation about a real
+    # entity (with a keep question after it) and one under another relation.
+    fact = replace(facts[0], cases=facts[0].cases[:1] + facts[0].cases[2:3])
+    assert [c.kind for c in fact.cases] == ["same relation", "other relation"] and len(fact.keep) == 1
+    report = run_insert_eval(default_engine_factory(smollm2), [fact], controls[:2])
     s = report.scores
     assert s["canonical"].passed == s["canonical"].total == 1
     assert s["paraphrases"].total == 4 and s["chat"].total == 2 and s["neighbours"].total == 4
+    assert s["conversation"].total == 2 and s["conversation keep"].total == 1
     assert s["controls"].passed == s["controls"].total == 2
-    assert s["together canonical"].passed == 1
+    assert s["together canonical"].passed == 1 and s["together conversation"].total == 2
+    # The one fact's patch removed: every prompt of it is the unpatched model's again, bit for bit.
+    assert s["removed: back to base"].passed == s["removed: back to base"].total == 1 + 4 + 2 + 2 + 1
     assert len(report.insert_seconds) == 2
     lines = format_report(report)
     assert any(line.startswith("canonical") and "1/1" in line for line in lines)
     doc = report.to_dict()
-    assert doc["details"][0]["prompts"][0]["row"] == "canonical"
+    alone = doc["details"][0]
+    assert alone["pass"] == "alone" and alone["prompts"][0]["row"] == "canonical"
+    # Every prompt has its row; a conversation's row carries its earlier turns, the assistant's the unpatched
+    # model's own reply.
+    rows = [p for d in doc["details"] for p in d["prompts"]]
+    assert len(rows) == sum(v["total"] for v in doc["scores"].values())
+    same = next(p for p in alone["prompts"] if p["row"] == "conversation")
+    assert same["kind"] == "same relation" and [role for role, _ in same["history"]] == ["user", "assistant"]
+    assert same["history"][1][1].strip() and same["tokens"]
     json.dumps(doc)   # serialisable as --json writes it
+    with pytest.raises(ValueError, match="--together must be at least 1"):
+        run_insert_eval(default_engine_factory(smollm2), [fact], controls, together=0)
+
+
+def test_conversation_files_are_read_and_checked(tmp_path):
+    """The insert_conversations.json format: facts without a probe (their canonical prompt), conversation cases
+    with earlier turns and system prompts, keep questions with their answers."""
+    doc = {"facts": [{"entity": "Quorn", "relation": "capital-of", "target": "Vell", "cases": [
+        {"history": [["user", "Hi!"], ["assistant", "Hello!"]], "ask": "What is the capital of Quorn?"},
+        {"system": "Be brief.", "history": [], "ask": "Name Quorn's capital."}],
+        "keep": [{"ask": "What is the capital of Spain?", "answer": "Madrid"}]}]}
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(doc))
+    facts, controls = read_facts(path, generate_conversations=False)
+    f = facts[0]
+    assert f.probe == "The capital of Quorn is" and controls
+    assert [(c.kind, c.system, c.history) for c in f.cases] == [
+        ("file", None, (("user", "Hi!"), ("assistant", "Hello!"))), ("file", "Be brief.", ())]
+    assert [(k.ask, k.answer) for k in f.keep] == [("What is the capital of Spain?", "Madrid")]
+    generated, _ = read_facts(path)
+    assert len(generated[0].cases) > 2 and generated[0].cases[:2] == f.cases
+    doc["facts"][0]["cases"][0]["history"] = [["narrator", "Hi!"]]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="'history' must be a list of \\[role, content\\] pairs"):
+        read_facts(path)
 
 
 def test_value_direction_makes_a_rare_target_the_heads_first_choice(smollm2, monkeypatch):

@@ -11,7 +11,7 @@ from larql_desktop.api.server import start_server
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+from larql_desktop.engine.model.overlay import Patch, PatchOperation
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 

@@ -82,19 +82,22 @@ def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answ
     probed = editor.last_fact_probes
     assert probed is not None and probed.request_id == editor.last_insert.request_id
     kinds = [row.kind for row in probed.rows]
-    assert kinds == ["canonical", "paraphrase", "paraphrase", "chat"]
-    assert [row.prompt for row in probed.rows] == [FACT.canonical_prompt, *PARAPHRASES, QUESTION]
+    assert kinds == ["canonical", "paraphrase", "paraphrase", "chat", "conversation"]
+    assert [row.prompt for row in probed.rows] == [FACT.canonical_prompt, *PARAPHRASES, QUESTION, QUESTION]
     assert all(0.0 <= p <= 1.0 for row in probed.rows for p in (row.p_before, row.p_after))
     canonical = probed.rows[0]
     assert canonical.answers_after and not canonical.answers_before
     assert canonical.after != canonical.before and canonical.after.lstrip().startswith(FACT.target)
     assert canonical.p_after > 10 * canonical.p_before
     # The chat row is what a new chat tab sends: the question through the template, default system prompt.
-    chat = probed.rows[-1]
+    chat, in_conversation = probed.rows[-2:]
     default_system = loaded.client.model.default_system_prompt
     assert default_system and default_system in chat.rendered
     assert chat.rendered.startswith("<|im_start|>system") and chat.rendered.endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{QUESTION}<|im_end|>" in chat.rendered
+    # The conversation row asks the same question after an earlier exchange: a longer chat ending the same way.
+    assert in_conversation.rendered.endswith(chat.rendered[chat.rendered.index("<|im_start|>user"):])
+    assert in_conversation.rendered.count("<|im_start|>user") == 2
 
     # The table shows the same rows, the rendered chat prompt in the prompt's tooltip; the detail pane the
     # selected row's continuations in full.
@@ -106,8 +109,9 @@ def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answ
     assert rows[0][columns.index("P after")] == f"{canonical.p_after:.3f}"
     assert editor.fact_table.currentRow() == 0 and canonical.after.strip() in editor.fact_detail_text
     assert editor.fact_table.item(3, 1).toolTip() == chat.rendered
+    assert editor.fact_table.item(4, 1).toolTip() == in_conversation.rendered
     answered = sum(row.answers_after for row in probed.rows)
-    assert f"answers on {answered} of 4 prompts" in editor.fact_probe_label.text()
+    assert f"answers on {answered} of 5 prompts" in editor.fact_probe_label.text()
 
     # The chat tab answers with the patch on: its reply is the engine's patched greedy reply to that prompt.
     before, after = expected_chat_replies(loaded, QUESTION, CHAT_TOKENS)

@@ -10,10 +10,10 @@ from larql_desktop.engine.analysis.lens import FeatureVocabulary, logit_lens, so
 from larql_desktop.engine.analysis.reply_pass import Cell, outcome_grid, run_reply_pass, uncached_walk
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.quants import dequantize
-from larql_desktop.engine.model.chat import chat_prompt_ids
+from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.outcomes import LayerOutcome
 from larql_desktop.engine.model.transformer import KvCache, rms_norm
-from larql_desktop.engine.patches.overlay import Patch, PatchOperation
+from larql_desktop.engine.model.overlay import Patch, PatchOperation
 
 QUESTION = "What is the capital of France?"
 

@@ -46,27 +46,39 @@ def test_a_chat_model_is_probed_on_generated_phrasings_and_the_chat_tabs_first_t
     engine = LarqlEngine(smollm2)
     prompts = services.fact_prompts(engine, FACT, ["  ", ""])            # blank paraphrases: none given
     kinds = [kind for kind, *_ in prompts]
-    assert kinds == ["canonical"] + ["generated"] * services.GENERATED_PROBES + ["chat"]
+    assert kinds == ["canonical"] + ["generated"] * services.GENERATED_PROBES + ["chat", "conversation"]
     generated = [text for kind, text, _, _ in prompts if kind == "generated"]
     assert set(generated) <= set(generated_phrasings(FACT)) and FACT.canonical_prompt not in generated
     assert len(set(generated)) == len(generated)
-    kind, question, rendered, ids = prompts[-1]
+    kind, question, rendered, ids = prompts[-2]
     assert question == QUESTION
     # Exactly what a new chat session (the template's default system prompt) sends for that question.
     session = ChatSession(smollm2)
     assert ids == chat_prompt_ids(smollm2, QUESTION) == smollm2.encode_prompt(
         session.conversation([{"role": "user", "content": QUESTION}]))
     assert smollm2.default_system_prompt in rendered and rendered.endswith("<|im_start|>assistant\n")
+    # The conversation row: the same question after an earlier exchange under the same relation about a real
+    # entity, answered as the unpatched model answers it; the chat row's tokens are its prefix's shape.
+    kind, asked, conversation_text, conversation_ids = prompts[-1]
+    earlier = fill(QUESTIONS[0], FACT.relation_words, services.PROBE_CONVERSATION_ENTITY)
+    assert asked == QUESTION and earlier in conversation_text and conversation_text.endswith(
+        f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    own = engine.inserter().own_answer(FACT.relation_words, services.PROBE_CONVERSATION_ENTITY)
+    assert own.startswith(f"The capital of {services.PROBE_CONVERSATION_ENTITY} is") and own in conversation_text
+    assert conversation_ids == smollm2.encode_prompt(session.conversation([
+        {"role": "user", "content": earlier}, {"role": "assistant", "content": own},
+        {"role": "user", "content": QUESTION}]))
     # The user's paraphrases replace the generated ones (the canonical prompt and repeats only once).
     given = ["Atlantis has its capital at", FACT.canonical_prompt, "Atlantis has its capital at"]
-    assert [(k, t) for k, t, _, _ in services.fact_prompts(engine, FACT, given)][:-1] == [
+    assert [(k, t) for k, t, _, _ in services.fact_prompts(engine, FACT, given)][:-2] == [
         ("canonical", FACT.canonical_prompt), ("paraphrase", "Atlantis has its capital at")]
 
 
 def test_without_patches_every_row_is_unchanged(smollm2):
     engine = LarqlEngine(smollm2)
     rows = services.fact_probes(engine, FACT, ["Atlantis has its capital at"])
-    assert [r.kind for r in rows] == ["canonical", "paraphrase", "chat"]
+    assert [r.kind for r in rows] == ["canonical", "paraphrase", "chat", "conversation"]
+    assert [r.is_reply for r in rows] == [False, False, True, True]
     for r in rows:
         assert r.after == r.before and r.p_after == r.p_before and r.answers_after == r.answers_before
         assert 0.0 <= r.p_before <= 1.0 and r.before.strip()
@@ -74,7 +86,7 @@ def test_without_patches_every_row_is_unchanged(smollm2):
     # The chat row's P(target) is read where the reply names the answer: after the assistant begins with the
     # canonical sentence, not at the reply's first token.
     answer_at = chat_prompt_ids(smollm2, QUESTION) + smollm2.tokenizer.encode(FACT.canonical_prompt, add_bos=False)
-    assert rows[-1].p_before == services.word_probability(engine, answer_at, FACT.target, PatchOverlay())
+    assert rows[-2].p_before == services.word_probability(engine, answer_at, FACT.target, PatchOverlay())
 
 
 def test_a_base_model_gets_a_qa_prompt_and_the_insert_answers_on_its_canonical_prompt(gemma_inserted):

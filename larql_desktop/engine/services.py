@@ -26,6 +26,10 @@ DEFAULT_API_PORT = 8765
 PROBE_TOKENS = 8
 CHAT_PROBE_TOKENS = 24      # a chat reply names the answer after a few words of its own
 GENERATED_PROBES = 3        # generated phrasings probed when the user gave no paraphrases
+# The conversation row's earlier turn: the same relation about a real entity (one INSERT does not train its keys
+# on), answered as the unpatched model answers it. A chat that already holds such an exchange is where a reply
+# copies the earlier answer ("The capital of Tarnhollow is Paris."), so the editor's "yes" must cover it.
+PROBE_CONVERSATION_ENTITY = "Spain"
 
 
 def is_loopback(host: str) -> bool:
@@ -100,9 +104,11 @@ def word_probability(engine, ids: Sequence[int], target: str, overlay: PatchOver
 @dataclass(frozen=True)
 class FactProbe:
     """One prompt of a fact's probe table, without patches and with the applied ones."""
-    kind: str                 # canonical | paraphrase (the user's) | generated | chat | qa (a base model's Q/A)
+    # canonical | paraphrase (the user's) | generated | chat | conversation (the chat question after an earlier
+    # same-relation turn) | qa (a base model's Q/A)
+    kind: str
     prompt: str               # what the user asks (for a chat row, the question typed in a chat)
-    rendered: str             # what the model reads (for a chat row, the question through the chat template)
+    rendered: str             # what the model reads (for a chat row, the whole conversation through the template)
     before: str               # greedy continuation (a chat row: the reply) without patches
     after: str                # ... with the applied patches
     # Probability of the whole target word right after the prompt; for a chat row, after the question and the
@@ -112,11 +118,21 @@ class FactProbe:
     answers_before: bool      # prompts: the continuation starts with the whole target; chat: the reply names it
     answers_after: bool
 
+    @property
+    def is_reply(self) -> bool:
+        """A chat reply (scored by naming the target anywhere), not a continuation (scored by starting with it)."""
+        return self.kind in REPLY_KINDS
+
+
+REPLY_KINDS = ("chat", "conversation")
+
 
 def fact_prompts(engine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tuple[str, str, str, list[int]]]:
     """(kind, prompt, rendered, token ids) of the prompts a fact is probed on: its canonical prompt, the user's
     paraphrases (else a spread of the generated phrasings) and one question: through the chat template with the
-    template's default system prompt, as a new chat tab sends it, or as a "Q: ... A:" prompt for a base model."""
+    template's default system prompt, as a new chat tab sends it, or as a "Q: ... A:" prompt for a base model;
+    for a chat model also the same question after an earlier turn about a real entity under the same relation
+    (PROBE_CONVERSATION_ENTITY, its answer the unpatched model's own)."""
     model = engine.model
     encode = model.tokenizer.encode
     question = fill(QUESTIONS[0], fact.relation_words, fact.entity.strip())
@@ -137,6 +153,12 @@ def fact_prompts(engine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tu
         out.append(("chat", question, model.render_prompt(conversation(model, [{"role": "user",
                                                                                  "content": question}])),
                     chat_prompt_ids(model, question)))
+        messages = conversation(model, [
+            {"role": "user", "content": fill(QUESTIONS[0], fact.relation_words, PROBE_CONVERSATION_ENTITY)},
+            {"role": "assistant", "content": engine.inserter().own_answer(fact.relation_words,
+                                                                          PROBE_CONVERSATION_ENTITY)},
+            {"role": "user", "content": question}])
+        out.append(("conversation", question, model.render_prompt(messages), model.encode_prompt(messages)))
     elif qa not in {text for _, text in rows}:
         out.append(("qa", qa, qa, encode(qa)))
     return out
@@ -154,7 +176,7 @@ def fact_probes(engine, fact: Fact, paraphrases: Sequence[str] = (), tokens: int
     answer_start = tokenizer.encode(fact.canonical_prompt, add_bos=False)
     probes = []
     for kind, prompt, rendered, ids in fact_prompts(engine, fact, paraphrases):
-        chat = kind == "chat"
+        chat = kind in REPLY_KINDS
         answers = contains_word if chat else starts_with_word
         scored = list(ids) + answer_start if chat else ids
         halves = []

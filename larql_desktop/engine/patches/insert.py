@@ -103,6 +103,20 @@ PLACE_SENTENCES = 4      # the last GENERIC_SENTENCES, each continued as a negat
 GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?", "Write a haiku about rain.",
                      "Explain photosynthesis in one sentence.", "What should I cook tonight?")
 
+# Conversations the question is asked in (chat models): a user's chat is rarely fresh. Earlier turns under the
+# same relation about a real entity (whose answer the reply would otherwise copy), another relation, small talk,
+# and system prompts of the user's own; assistant turns are the model's own answers. The same conversations
+# asking about a real entity are negatives: there the reply must keep its real answer.
+CONVERSATION_ENTITIES = ("France", "Japan", "Germany")          # earlier turns (from DECOY_ENTITIES)
+CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada")         # asked in the negatives' conversations
+CONVERSATION_OTHER_RELATION = ("population", "history")
+CONVERSATION_SMALL_TALK = (("Hello! How are you?", "I'm doing well, thank you! How can I help you today?"),
+                           ("What is 2 + 2?", "2 + 2 is 4."))
+CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefly.",
+                               "You are a teacher. Reply in one sentence.")
+FOLLOW_UP = "And what about {e}? What is its {r}?"
+OWN_ANSWER_WORDS = 12    # of the model's own answer used as an earlier assistant turn
+
 # Share of the positives the target must win on (greedy) before a scale is accepted.
 WIN_SHARE = 0.9
 # ... and by how much (logits, i.e. nats): a write that only just wins on the phrasings it was balanced on loses
@@ -458,7 +472,73 @@ class Inserter:
                 candidates.append(tuple(chat))
                 starts = [self.model.tokenizer.encode(fill(start, r, e), add_bos=False) for start in ANSWER_STARTS]
                 candidates += [tuple(chat + start) for start in starts + [self.own_answer_start(chat, r)] if start]
+            candidates += self.conversation_positives(fact)
         return list(dict.fromkeys(candidates))
+
+    def own_answer(self, relation: str, entity: str) -> str:
+        """The model's own statement of (entity, relation) as an assistant turn would give it: "The capital of
+        France is Paris." (its greedy continuation of the statement, up to the sentence's end)."""
+        start = fill("The {r} of {e} is", relation, entity)
+        words = self.base_continuation(start).strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
+        text = " ".join(words)
+        cut = text.find(". ")
+        text = text[:cut + 1] if cut >= 0 else text
+        return f"{start} {text}".rstrip() + ("" if text.endswith(".") else ".")
+
+    def conversation_histories(self, fact: Fact) -> list[tuple[str | None, list[dict]]]:
+        """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): an
+        earlier turn under the same relation, one under another relation, small talk, system prompts alone and
+        with an earlier turn."""
+        r = fact.relation_words
+
+        def same(entity: str, relation: str = r) -> list[dict]:
+            return [{"role": "user", "content": fill(QUESTIONS[0], relation, entity)},
+                    {"role": "assistant", "content": self.own_answer(relation, entity)}]
+        other = next(o for o in CONVERSATION_OTHER_RELATION if o != r.lower())
+        talk = [{"role": role, "content": text} for pair in CONVERSATION_SMALL_TALK
+                for role, text in zip(("user", "assistant"), pair)]
+        return [(None, same(CONVERSATION_ENTITIES[0])), (None, same(CONVERSATION_ENTITIES[1], other)),
+                (None, talk), (CONVERSATION_SYSTEM_PROMPTS[0], []),
+                (CONVERSATION_SYSTEM_PROMPTS[1], same(CONVERSATION_ENTITIES[2]))]
+
+    def conversation_ids(self, system: str | None, history: list[dict], question: str) -> list[int]:
+        messages = history + [{"role": "user", "content": question}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + messages
+        return self.model.encode_prompt(messages)
+
+    def conversation_positives(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The fact's question asked in each conversation (and once as a follow-up after the same-relation turn),
+        with the assistant's answer at its first position, begun as the canonical statement and as the model's
+        own reply begins there."""
+        r, e = fact.relation_words, fact.entity.strip()
+        start = self.model.tokenizer.encode(fill(ANSWER_STARTS[0], r, e), add_bos=False)
+        out = []
+        histories = self.conversation_histories(fact)
+        asks = [(system, history, fill(QUESTIONS[0], r, e)) for system, history in histories]
+        asks.append((None, histories[0][1], fill(FOLLOW_UP, r, e)))
+        for system, history, question in asks:
+            ids = self.conversation_ids(system, history, question)
+            out += [tuple(ids), tuple(ids + start)]
+            own = self.own_answer_start(ids, r)
+            if own:
+                out.append(tuple(ids + own))
+        return out
+
+    def conversation_negatives(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The same conversations asking about real entities, each answered as the model answers: every
+        position must leave the model alone (the reply keeps its real answer)."""
+        r = fact.relation_words
+        out = []
+        for i, (system, history) in enumerate(self.conversation_histories(fact)):
+            # Each neighbour asked in turn: the assistant's first position after each question is where a key
+            # that learned "a reply to this relation's question" rather than "about this entity" would fire.
+            asked = []
+            for neighbour in CONVERSATION_NEIGHBOURS[i % 2:] + CONVERSATION_NEIGHBOURS[:i % 2]:
+                asked += [{"role": "user", "content": fill(QUESTIONS[i % 2], r, neighbour)},
+                          {"role": "assistant", "content": self.own_answer(r, neighbour)}]
+            out.append(tuple(self.conversation_ids(system, history + asked, "Thanks!")))
+        return out
 
     def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
         """The start of the model's own reply to a chat question, up to the copula that introduces the answer
@@ -519,6 +599,7 @@ class Inserter:
                 for q in half:
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
                 out.append(tuple(self.model.encode_prompt(messages[:-1])))
+            out += self.conversation_negatives(fact)
         return out
 
     def insert(self, fact: Fact, current: PatchOverlay, layer: int | None = None, alpha: float = 0.1,
