@@ -17,7 +17,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -38,6 +37,7 @@ from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchError, encode_vector, parse_patch
 from greedy_runs import run_sequence
+from polling import wait_for
 from test_l3 import NS, _entry, open_store, redis_url  # noqa: F401  (fixtures)
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -281,9 +281,7 @@ def test_two_processes_rebuild_a_corrupt_store_once_and_go_on_sharing(tmp_path):
             other.kill()
     assert last.startswith("0 ") and "'corrupt'" not in last and "replaced" in last
     # ...which this one reads, once it looks for other processes' inserts (within SqliteL3.REFRESH_EVERY)
-    deadline = time.monotonic() + 10.0
-    while here.get(0, NS, 2000) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_for(lambda: here.get(0, NS, 2000) is not None, within=10)
     assert sum(here.get(0, NS, k) is not None for k in range(2000, 2100)) == 100
     # Only the damaged file was moved aside, once: the rebuilt store stayed in place.
     assert (tmp_path / "l3.sqlite3.corrupt").read_bytes()[3 * 4096:] == garbage

@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.cache.l3 import (DTYPES, FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry,
                                            default_l3_path, encode_entry, open_l3)
 from greedy_runs import run_sequence
+from polling import wait_for
 
 NS = ("checksum", 100, 100, "clean")
 # Found on PATH (and in /usr/sbin, which a user's PATH may lack): with PATH hiding it, the Redis tests skip,
@@ -56,14 +56,13 @@ def redis_url(tmp_path_factory):
                                  "--logfile", str(workdir / "redis.log")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
+
+        def answers() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        else:
+                return False
+        if not (wait_for(lambda: proc.poll() is not None or answers(), within=10) and proc.poll() is None):
             proc.kill()
             proc.wait()
             continue
@@ -236,10 +235,8 @@ def test_another_process_shares_the_entries(open_store, tmp_path):
     assert store.flush(10)      # SQLite writes wait for a quiet moment (or a flush) before another process sees them
     subprocess.run([sys.executable, "-c", code, open_store.spec], check=True, timeout=60, cwd=tmp_path)
     # SQLite: this process learns of the other's inserts at its next look (within REFRESH_EVERY seconds).
-    deadline = time.monotonic() + 10.0
-    while (got := store.get(2, NS, 42)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert got is not None and (got.output == 0.5).all()
+    assert wait_for(lambda: store.get(2, NS, 42) is not None, within=10)
+    assert (store.get(2, NS, 42).output == 0.5).all()
 
 
 _SECOND_WRITER = """
@@ -288,10 +285,8 @@ def test_another_process_s_inserts_are_served_after_a_refresh_and_a_deleted_key_
     assert store.flush(30)
     _write_from_another_process(path, 100, 140, tmp_path)
     reads = store.file_reads
-    deadline = time.monotonic() + 10.0
-    while (got := store.get(100 % 4, NS, 100)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert got is not None                      # seen at the next refresh (REFRESH_EVERY), polled within a bound
+    # Seen at the next refresh (REFRESH_EVERY); the polls before it are index misses, which read nothing.
+    assert wait_for(lambda: store.get(100 % 4, NS, 100) is not None, within=10)
     assert all(store.get(k % 4, NS, k) is not None for k in range(100, 140))
     assert store.file_reads - reads == 41          # each found key read once (and verified), no reads on misses
     # Deleted by someone else: the one read that finds nothing drops it from the index.
@@ -394,12 +389,8 @@ def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
         with sqlite3.connect(path) as conn:
             return int(conn.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
 
-    def rows_reach(n: int, within: float = 30.0) -> bool:
-        """Polls the file (a bounded wait on a condition, far under QUIET)."""
-        deadline = time.monotonic() + within
-        while rows() < n and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return rows() == n
+    def rows_reach(n: int) -> bool:
+        return wait_for(lambda: rows() >= n, within=30) and rows() == n       # 30 s: far under QUIET
     for k in range(30):              # a decode's puts, values still arriving
         store.put(0, NS, k, _entry(k))
     assert rows() == 0 and store.status()["queued_writes"] == 30

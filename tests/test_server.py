@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import httpx
