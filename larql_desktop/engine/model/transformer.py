@@ -247,6 +247,18 @@ class TransformerModel:
             ) for p in (f"blk.{i}." for i in range(self.config.n_layers))]
         return self._layers
 
+    @property
+    def attention_weights_loaded(self) -> bool:
+        """Whether `layers` has dequantised the fp32 attention weights (the numpy path's, ~100 MB)."""
+        return self._layers is not None
+
+    def ffn_norm(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s FFN input norm weight (d,) in fp32: the same values as `layers[layer].ffn_norm`, read
+        alone, so asking for it never dequantises the attention weights."""
+        if self._layers is not None:
+            return self._layers[layer].ffn_norm
+        return dequantize(self.gguf.tensors[f"blk.{layer}.ffn_norm.weight"])
+
     # -- pieces -------------------------------------------------------------------------------------------
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(self.token_embd, ids) * np.float32(self.config.embed_scale)   # (T, d)
