@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from larql_desktop.api.server import INPUT_NORM_MARGIN, max_ffn_input_norm, start_server
-from larql_desktop.engine.cache.l3 import SqliteL3, _checksum, decode_entry, encode_entry, value_address
+from larql_desktop.engine.cache.l3 import SqliteL3
+from larql_desktop.engine.cache.l3.codec import decode_entry, encode_entry, value_address, value_checksum
 from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
 from larql_desktop.engine.cache.tiers import CacheEntry, DEFAULT_MAX_DISTANCE, HitRule, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
@@ -499,7 +500,7 @@ def test_cost_of_the_checks_per_hit_and_per_load(smollm2, gemma3, real_inputs, c
             fn()
         return (time.perf_counter() - t0) / n * 1e6
 
-    checksum_us = per_call_us(lambda: _checksum(address, header, vectors))
+    checksum_us = per_call_us(lambda: value_checksum(address, header, vectors))
     finite_us = per_call_us(lambda: np.isfinite(payload).all())
     decode_us = per_call_us(lambda: decode_entry(blob, address))
     lines = [f"per hit: input distance check {hit_us:.2f} us (every tier); L3 value checksum {checksum_us:.2f} us "

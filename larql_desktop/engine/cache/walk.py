@@ -1,7 +1,8 @@
 """LARQL's walk FFN through its FFN activation cache (L1 per session, L2 per process, optional persistent L3).
 
 The key is made in keys.py, the tiers and the rule for serving a hit live in tiers.py, the counts in stats.py
-and the persistent store in l3.py; this module is the walk itself and where it consults them.
+and the persistent store in l3/ (codec, contract, SQLite and Redis backends); this module is the walk itself and
+where it consults them.
 
 Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate score|; the cache key is a
 64-bit hash of that set of feature ids (keys.py), so two residuals that select the same features share an entry. Only
@@ -24,7 +25,7 @@ Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's ow
     key alone lets a request for 3x store its output where the next request for x finds it;
   * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
   * a verify mode that recomputes a fraction of hits and records the error a hit really carries;
-  * an optional L3 (l3.py: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
+  * an optional L3 (l3/: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.trace import KeyTrace
-from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
+from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, frozen_copy
 from larql_desktop.engine.model.transformer import ACTIVATIONS, PassAwareFfn
 from larql_desktop.engine.model.overlay import PatchOverlay
 
@@ -362,7 +363,7 @@ class WalkFfn(PassAwareFfn):
         entry = None
         if np.isfinite(out).all():
             bits = None if self.near_miss is None else self.near_miss.bits(np.flatnonzero(selected))
-            entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
+            entry = CacheEntry(frozen_copy(out[0]), frozen_copy(x0), bits)
             for tier in tiers:
                 tier.store(layer, key, entry, bucket)
         self._record(layer, "miss", started, tier_results=tuple(results))
@@ -568,7 +569,7 @@ class WalkFfn(PassAwareFfn):
         layers = range(kept)
         # An overflowed output is kept as computed but never stored: a cache holds only what a later hit may serve.
         finite = np.isfinite(ran.outputs[:kept]).all(axis=1)
-        stored = [(layer, keys[layer], CacheEntry(_frozen(ran.outputs[layer]), _frozen(ran.inputs[layer])))
+        stored = [(layer, keys[layer], CacheEntry(frozen_copy(ran.outputs[layer]), frozen_copy(ran.inputs[layer])))
                   for layer in layers if finite[layer]]
         for tier in tiers:
             tier.store_many(stored)
