@@ -16,6 +16,7 @@ import numpy as np
 
 from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
 from larql_desktop.engine.cache.walk import WalkFfn
+from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
 
 DEFAULT_TOP_N = 20
@@ -56,7 +57,7 @@ def _patch_owning(patches, layer: int, feature: int) -> str | None:
     return owner
 
 
-def normed_ffn_input(engine, ids: list[int], layer: int) -> np.ndarray:
+def normed_ffn_input(engine: LarqlEngine, ids: list[int], layer: int) -> np.ndarray:
     """(d,) the normed FFN input at the last of `ids` and `layer`, from one pass with the engine's FFN settings
     and patches and no cache."""
     model = engine.model
@@ -73,7 +74,7 @@ def normed_ffn_input(engine, ids: list[int], layer: int) -> np.ndarray:
     return captured[0]
 
 
-def feature_view(engine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> FeatureView:
+def feature_view(engine: LarqlEngine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> FeatureView:
     """The feature view of the last position of `ids` (e.g. prompt ids + the generated ids before a sampled
     token: the pass that token was sampled from) at `layer`. ValueError for a bad request."""
     model = engine.model
