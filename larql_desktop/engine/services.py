@@ -173,7 +173,7 @@ class WalkAnswer:
     layer: int
     top_k: int
     positions: int
-    outcome: str                      # hit | miss | bypass | dense | none (features only)
+    outcome: str | None               # hit | miss | bypass | dense | none (features only)
     tier: str | None
     bypass_reason: str | None
     output: np.ndarray | None         # (T, d)
@@ -187,7 +187,7 @@ def walk_ffn(engine: LarqlEngine, layer: int, x: np.ndarray, top_k: int | None, 
     cfg = engine.model.config
     if not 0 <= layer < cfg.n_layers:
         raise ValueError(f"layer {layer} is out of range 0..{cfg.n_layers - 1}")
-    k = engine.walk_settings.resolved(cfg.intermediate).top_k if top_k is None else top_k
+    k = engine.walk_settings.sizes(cfg.intermediate)[0] if top_k is None else top_k
     if not 1 <= k <= cfg.intermediate:
         raise ValueError(f"top_k {k} is out of range 1..{cfg.intermediate}")
     if x.ndim != 2 or x.shape[1] != cfg.hidden:

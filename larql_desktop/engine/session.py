@@ -4,7 +4,7 @@ Above the cache and the loader: the engine core makes one per chat tab and per A
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, d
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
+from larql_desktop.engine.formats.tokenizer import StreamDecoder
 from larql_desktop.engine.loading import LoadedModel, conversation
 
 ROLES = ("user", "assistant")
@@ -60,9 +61,9 @@ class ChatSession:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
-    def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def _generate_for(self, ids: list[int], settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         tok = self.model.tokenizer
-        decoder = tok.stream_decoder()
+        decoder: StreamDecoder | StopStringDecoder = tok.stream_decoder()
         if settings.stop:
             decoder = StopStringDecoder(decoder, settings.stop)
         reply: list[str] = []
@@ -107,7 +108,7 @@ class ChatSession:
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], special=True)
 
-    def reply(self, user_text: str, settings: SamplingSettings) -> Iterator[TokenStep]:
+    def reply(self, user_text: str, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         """Add a user turn and stream the assistant's reply. Nothing is added if the prompt is refused."""
         if not user_text.strip():
             raise ValueError("the prompt is empty: type something to send")
@@ -116,7 +117,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
 
-    def generate(self, ids: list[int], settings: SamplingSettings) -> Iterator[TokenStep]:
+    def generate(self, ids: list[int], settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
         renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long."""
         if not ids:
@@ -124,7 +125,7 @@ class ChatSession:
         self._check_fits(ids)
         return self._generate_for(list(ids), settings)
 
-    def regenerate(self, settings: SamplingSettings) -> Iterator[TokenStep]:
+    def regenerate(self, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         """Drop the last reply and generate it again from the same context."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ValueError("there is no reply to regenerate")

@@ -90,12 +90,11 @@ def feature_view(engine: LarqlEngine, ids, layer: int, top_n: int = DEFAULT_TOP_
         raise ValueError(f"the feature view shows at least one feature, not {top_n}")
     x = normed_ffn_input(engine, ids, layer)[None, :]
     walk = engine.request_walk()          # the engine's K and key width, its patches; gate_knn touches no cache
-    s = walk.settings
     (walked, walked_scores), = walk.gate_knn(layer, x)
     base = model.ffn.gate_scores(layer, x)[0]
-    key = key_features(base, select_features(base, s.top_k), s.key_width)
+    key = key_features(base, select_features(base, walk.top_k), walk.key_width)
     key_set = set(key.tolist())
-    ovr, patched, holds = walk._patched(layer, x)
+    ovr, patched, holds = walk.overrides_at(layer, x)
     owners: dict[int, str | None] = {}
     fired = []
     if ovr is not None:
@@ -107,5 +106,5 @@ def feature_view(engine: LarqlEngine, ids, layer: int, top_n: int = DEFAULT_TOP_
     rows = tuple(FeatureRow(int(f), float(v), int(f) in key_set, owners.get(int(f)))
                  for f, v in zip(walked[:top_n], walked_scores[:top_n]))
     fired.sort(key=lambda r: -abs(r.score))
-    return FeatureView(layer, len(ids) - 1, ids[-1], s.top_k, s.key_width, feature_key(key), rows, tuple(fired),
+    return FeatureView(layer, len(ids) - 1, ids[-1], walk.top_k, walk.key_width, feature_key(key), rows, tuple(fired),
                        ovr is not None)

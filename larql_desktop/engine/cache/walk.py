@@ -41,6 +41,7 @@ from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, frozen_copy
+from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.model.transformer import ACTIVATIONS, PassAwareFfn
 from larql_desktop.engine.model.overlay import PatchOverlay
 
@@ -111,13 +112,19 @@ class WalkSettings:
         if self.patch_mode not in PATCH_MODES:
             raise ValueError(f"patch mode must be one of {', '.join(PATCH_MODES)}, not {self.patch_mode!r}")
 
-    def resolved(self, intermediate: int) -> "WalkSettings":
+    def sizes(self, intermediate: int) -> tuple[int, int]:
+        """(K, key width) for a model of `intermediate` features per layer, defaults filled in; ValueError if
+        either does not fit."""
         k = default_top_k(intermediate) if self.top_k is None else self.top_k
         if k > intermediate:
             raise ValueError(f"K={k} exceeds the model's {intermediate} features per layer")
         width = k if self.key_width is None else self.key_width
         if width > k:
             raise ValueError(f"key width {width} exceeds K={k}")
+        return k, width
+
+    def resolved(self, intermediate: int) -> "WalkSettings":
+        k, width = self.sizes(intermediate)
         return replace(self, top_k=k, key_width=width)
 
     @property
@@ -130,7 +137,7 @@ class WalkSettings:
 
 
 class FfnGraphs(Protocol):
-    config: object   # ModelConfig (its activation name is used for overridden features)
+    config: ModelConfig   # its activation name is used for overridden features
     numerics: str    # names how the graphs compute (export format): part of every cache key's namespace
 
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
@@ -174,6 +181,7 @@ class WalkFfn(PassAwareFfn):
         self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
         self.settings = settings.resolved(intermediate)
+        self.top_k, self.key_width = settings.sizes(intermediate)   # the same as settings' own, typed int
         self._hit_rule = self.settings.hit_rule
         self.model_checksum = model_checksum
         self.l1, self.l2 = l1, l2
@@ -212,6 +220,11 @@ class WalkFfn(PassAwareFfn):
         """(T, F) 0/1 mask of the top-K features per position, and each position's selection (ascending ids)."""
         mask = self.selection_mask(scores)
         return mask, [np.flatnonzero(row) for row in mask]
+
+    def overrides_at(self, layer: int, x: np.ndarray):
+        """The INSERT overrides of `layer` as they stand for inputs `x`: (overrides or None, their gate scores
+        under the overlay (T, n), where each override holds its slot (T, n) bool); what the feature view shows."""
+        return self._patched(layer, x)
 
     def _patched(self, layer: int, x: np.ndarray):
         """(overrides or None, their gate scores under the overlay (T, n), where each override holds its slot)."""

@@ -19,7 +19,7 @@ from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 
 
 class FfnCall(Protocol):
-    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def __call__(self, layer: int, x: np.ndarray, /) -> np.ndarray:
         """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
 
 
