@@ -10,6 +10,7 @@ import numpy as np
 
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import CacheTier
+from larql_desktop.engine.cache.walk import WalkFfn
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
@@ -69,7 +70,8 @@ class ChatSession:
         reply: list[str] = []
         self.messages.append({"role": "assistant", "content": ""})
         recorder = self.outcomes
-        recorder.attach(self.ffn)   # again each reply: reconfiguring the engine rebuilds the session's walk
+        if isinstance(self.ffn, WalkFfn):   # again each reply: reconfiguring the engine rebuilds the session's walk
+            self.ffn.add_observer(recorder)
         try:
             started = time.perf_counter()
             saved = self._prompt_logits

@@ -38,7 +38,7 @@ import numpy as np
 from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
                                              packed_mask_key, select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
-from larql_desktop.engine.cache.stats import CacheStats
+from larql_desktop.engine.cache.stats import WalkObserver
 from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, frozen_copy
 from larql_desktop.engine.model.config import ModelConfig
@@ -154,7 +154,7 @@ class WalkFfn(PassAwareFfn):
     """
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
-                 l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
+                 l1: CacheTier | None, l2: CacheTier | None, stats: tuple[WalkObserver, ...],
                  patches: PatchOverlay | None = None, key_log: list | None = None, l3=None,
                  trace: KeyTrace | None = None):
         self.graphs = graphs
@@ -185,7 +185,7 @@ class WalkFfn(PassAwareFfn):
         self._hit_rule = self.settings.hit_rule
         self.model_checksum = model_checksum
         self.l1, self.l2 = l1, l2
-        self.stats = stats
+        self.stats = stats      # the observers each call's outcome is reported to (statistics, recorders)
         self.patches = patches if patches is not None else PatchOverlay()
         self.full_k = is_full_k(self.settings.top_k, intermediate)
         self.activation = ACTIVATIONS[graphs.config.activation]
@@ -194,6 +194,11 @@ class WalkFfn(PassAwareFfn):
         self.near_miss = None if not s.near_miss_fraction else NearMissSampler(
             s.near_miss_fraction, s.cosine_guard if s.cosine_guard is not None else s.near_miss_tau,
             intermediate, s.top_k, seed=s.verify_seed)
+
+    def add_observer(self, observer: WalkObserver) -> None:
+        """Report every later call's outcome to `observer` too (once, however often it is added)."""
+        if observer not in self.stats:
+            self.stats = self.stats + (observer,)
 
     def namespace(self) -> tuple:
         """What an entry's output depends on besides the feature key: the model, K, key width and the graphs'
