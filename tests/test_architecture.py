@@ -30,9 +30,9 @@ ENGINE_LAYERS = (
     ("loading",),              # a GGUF turned into a LoadedModel (tokenizer, transformer, graphs), its chat prompts
     ("cache",),                # the walk FFN, its keys, tiers (L1/L2/L3), statistics, near misses, key traces
     ("patches",),              # INSERT, the applied-patch store, relation frames, patch summaries
-    ("analysis",),             # the paraphrase-collapse lab and the feature view
     ("session",),              # a chat session: messages, KV cache and its FFN
     ("core",),                 # the engine: sessions, cache settings, patches, events
+    ("analysis",),             # the paraphrase-collapse lab and the feature view, run on an engine
     ("completions", "chats", "services"),   # what front-ends ask of an engine
 )
 ENGINE = "larql_desktop.engine"

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from larql_desktop.api.server import INPUT_NORM_MARGIN, max_ffn_input_norm, start_server
-from larql_desktop.engine.cache.l3 import SqliteL3, _checksum, decode_entry, encode_entry, value_address
+from larql_desktop.engine.cache.l3 import SqliteL3
+from larql_desktop.engine.cache.l3.codec import decode_entry, encode_entry, value_address, value_checksum
 from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
 from larql_desktop.engine.cache.tiers import CacheEntry, DEFAULT_MAX_DISTANCE, HitRule, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
@@ -485,7 +486,7 @@ def test_the_checks_per_hit_and_per_load_pass_on_good_data(smollm2, gemma3, real
     address = value_address(1, 5, 42)
     blob = encode_entry(entry, "float32", address)
     header, stored, vectors = blob[:8], int.from_bytes(blob[8:16], "little"), memoryview(blob)[16:]
-    assert _checksum(address, header, vectors) == stored
+    assert value_checksum(address, header, vectors) == stored
     assert np.isfinite(np.frombuffer(vectors, np.float32)).all()
     decoded = decode_entry(blob, address)
     assert np.array_equal(decoded.output, entry.output) and np.array_equal(decoded.residual, entry.residual)

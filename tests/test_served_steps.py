@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.cache.keys import select_mask
-from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings, _frozen
+from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings, frozen_copy
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.model.overlay import Patch, PatchOperation
@@ -94,7 +94,7 @@ def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
     # Poison the shared L2: layer 5's entry of the first decode step now claims another output, stored for
     # another input. A lookup would refuse it (the hit rule), so must a guess.
     entry = step.entries[5]
-    forged = CacheEntry(_frozen(entry.output * 3.0), _frozen(entry.residual * 3.0))
+    forged = CacheEntry(frozen_copy(entry.output * 3.0), frozen_copy(entry.residual * 3.0))
     engine.l2.store(5, step.keys[5], forged)
     tokens, logits = _run_again(model, walk, ids, 4)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
@@ -132,7 +132,7 @@ def test_an_input_one_bit_off_its_entry_ends_the_replay_and_the_served_decoder_c
     entry = step.entries[7]
     nudged = entry.residual.copy()
     nudged[0] = np.nextafter(nudged[0], np.float32(np.inf))
-    engine.l2.store(7, step.keys[7], CacheEntry(entry.output, _frozen(nudged)))
+    engine.l2.store(7, step.keys[7], CacheEntry(entry.output, frozen_copy(nudged)))
     tokens, logits = _run_again(model, walk, ids, 5)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
     # The first step replayed layers 0-6, looked layer 7 up (served under the hit rule) and went on layer by

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
+from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.stops import StopStrings
 
@@ -38,7 +39,7 @@ class CompletionRun:
     Not thread-safe by itself: one caller at a time (the API awaits each step before the next).
     """
 
-    def __init__(self, engine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
+    def __init__(self, engine: LarqlEngine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
                  logprobs: int | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:

@@ -76,7 +76,7 @@ class PatchAlreadyApplied(PatchError):
 class LarqlEngine:
     """Owns the process-wide L2 tier; each session gets its own L1 tier and stats, and all share L2.
 
-    An optional persistent L3 store (engine/cache/l3.py) is consulted after L2 by every session and by the HTTP
+    An optional persistent L3 store (engine/cache/l3/) is consulted after L2 by every session and by the HTTP
     API; the engine only uses it when given one (the app and `serve` open the default SQLite store in the user
     cache dir), so library users and tests never write outside the directories they choose.
 

@@ -72,11 +72,12 @@ class LoadedModel:
         return self.chat_template is not None
 
     def render_prompt(self, messages: list[dict]) -> str:
-        if not self.is_chat:
+        template = self.chat_template
+        if template is None:
             # A base model continues text: the conversation is the user's text, turns concatenated.
             return "".join(m["content"] for m in messages)
         tok = self.tokenizer
-        return render_chat(self.chat_template, messages, add_generation_prompt=True,
+        return render_chat(template, messages, add_generation_prompt=True,
                            bos_token=tok.tokens[tok.bos_id] if tok.bos_id is not None else "",
                            eos_token=tok.tokens[tok.eos_id] if tok.eos_id is not None else "")
 

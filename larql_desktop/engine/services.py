@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from larql_desktop.engine.loading import chat_prompt_ids, conversation
+from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
 from larql_desktop.engine.model.overlay import PatchOverlay
@@ -54,7 +55,7 @@ class ProbeOutcome:
     patched_probability: float | None
 
 
-def probe(engine, prompt: str, target: str = "", tokens: int = PROBE_TOKENS,
+def probe(engine: LarqlEngine, prompt: str, target: str = "", tokens: int = PROBE_TOKENS,
           overlay: PatchOverlay | None = None) -> ProbeOutcome:
     """Greedy continuation (and the target's probability) under no patches and under `overlay` (default: the
     engine's applied patches, read once so both halves see one state)."""
@@ -85,7 +86,7 @@ def contains_word(reply: str, word: str) -> bool:
     return re.search(r"(?<![A-Za-z0-9])" + re.escape(word.strip()) + r"(?![a-z0-9])", reply) is not None
 
 
-def word_probability(engine, ids: Sequence[int], target: str, overlay: PatchOverlay) -> float:
+def word_probability(engine: LarqlEngine, ids: Sequence[int], target: str, overlay: PatchOverlay) -> float:
     """Probability that the whole target word follows `ids` under `overlay`: the product over its tokens, each
     teacher-forced after the ones before it (one forward pass over the prompt and the target's first tokens)."""
     if not ids:
@@ -127,7 +128,7 @@ class FactProbe:
 REPLY_KINDS = ("chat", "conversation")
 
 
-def fact_prompts(engine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tuple[str, str, str, list[int]]]:
+def fact_prompts(engine: LarqlEngine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tuple[str, str, str, list[int]]]:
     """(kind, prompt, rendered, token ids) of the prompts a fact is probed on: its canonical prompt, the user's
     paraphrases (else a spread of the generated phrasings) and one question: through the chat template with the
     template's default system prompt, as a new chat tab sends it, or as a "Q: ... A:" prompt for a base model;
@@ -164,7 +165,7 @@ def fact_prompts(engine, fact: Fact, paraphrases: Sequence[str] = ()) -> list[tu
     return out
 
 
-def fact_probes(engine, fact: Fact, paraphrases: Sequence[str] = (), tokens: int = PROBE_TOKENS,
+def fact_probes(engine: LarqlEngine, fact: Fact, paraphrases: Sequence[str] = (), tokens: int = PROBE_TOKENS,
                 chat_tokens: int = CHAT_PROBE_TOKENS, overlay: PatchOverlay | None = None) -> tuple[FactProbe, ...]:
     """The fact's probe table: each of `fact_prompts` continued greedily and scored for the whole target word,
     without patches and under `overlay` (default: the engine's applied patches, read once so every row sees one
@@ -194,7 +195,7 @@ class WalkAnswer:
     layer: int
     top_k: int
     positions: int
-    outcome: str                      # hit | miss | bypass | dense | none (features only)
+    outcome: str | None               # hit | miss | bypass | dense | none (features only)
     tier: str | None
     bypass_reason: str | None
     output: np.ndarray | None         # (T, d)
@@ -203,12 +204,12 @@ class WalkAnswer:
     seconds: float
 
 
-def walk_ffn(engine, layer: int, x: np.ndarray, top_k: int | None, full_output: bool = True) -> WalkAnswer:
+def walk_ffn(engine: LarqlEngine, layer: int, x: np.ndarray, top_k: int | None, full_output: bool = True) -> WalkAnswer:
     """Run one layer's walk for a client (no L1; the shared L2 and L3). Raises ValueError for a bad request."""
     cfg = engine.model.config
     if not 0 <= layer < cfg.n_layers:
         raise ValueError(f"layer {layer} is out of range 0..{cfg.n_layers - 1}")
-    k = engine.walk_settings.resolved(cfg.intermediate).top_k if top_k is None else top_k
+    k = engine.walk_settings.sizes(cfg.intermediate)[0] if top_k is None else top_k
     if not 1 <= k <= cfg.intermediate:
         raise ValueError(f"top_k {k} is out of range 1..{cfg.intermediate}")
     if x.ndim != 2 or x.shape[1] != cfg.hidden:

@@ -4,17 +4,19 @@ Above the cache and the loader: the engine core makes one per chat tab and per A
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Callable, Generator, Hashable, Iterator, Sequence
 
 import numpy as np
 
 from larql_desktop.engine.cache.stats import CacheStats
 from larql_desktop.engine.cache.tiers import CacheTier
+from larql_desktop.engine.cache.walk import WalkFfn
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.prefix_cache import PrefixCache, prefill_chunks
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
+from larql_desktop.engine.formats.tokenizer import StreamDecoder
 from larql_desktop.engine.loading import LoadedModel, conversation
 
 ROLES = ("user", "assistant")
@@ -76,15 +78,16 @@ class ChatSession:
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
     def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                      ) -> Iterator[TokenStep]:
+                      ) -> Generator[TokenStep, None, None]:
         tok = self.model.tokenizer
-        decoder = tok.stream_decoder()
+        decoder: StreamDecoder | StopStringDecoder = tok.stream_decoder()
         if settings.stop:
             decoder = StopStringDecoder(decoder, settings.stop)
         reply: list[str] = []
         self.messages.append({"role": "assistant", "content": ""})
         recorder = self.outcomes
-        recorder.attach(self.ffn)   # again each reply: reconfiguring the engine rebuilds the session's walk
+        if isinstance(self.ffn, WalkFfn):   # again each reply: reconfiguring the engine rebuilds the session's walk
+            self.ffn.add_observer(recorder)
         try:
             started = time.perf_counter()
             saved = self._prompt_logits
@@ -161,7 +164,7 @@ class ChatSession:
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], special=True)
 
-    def reply(self, user_text: str, settings: SamplingSettings) -> Iterator[TokenStep]:
+    def reply(self, user_text: str, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         """Add a user turn and stream the assistant's reply. Nothing is added if the prompt is refused."""
         if not user_text.strip():
             raise ValueError("the prompt is empty: type something to send")
@@ -171,7 +174,7 @@ class ChatSession:
         return self._generate_for(ids, settings)
 
     def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                 ) -> Iterator[TokenStep]:
+                 ) -> Generator[TokenStep, None, None]:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
         renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long.
         `logprobs` (0..20): each step carries its token's log probability and that many alternatives'."""
@@ -180,7 +183,7 @@ class ChatSession:
         self._check_fits(ids)
         return self._generate_for(list(ids), settings, logprobs)
 
-    def regenerate(self, settings: SamplingSettings) -> Iterator[TokenStep]:
+    def regenerate(self, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
         """Drop the last reply and generate it again from the same context."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ValueError("there is no reply to regenerate")

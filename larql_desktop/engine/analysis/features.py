@@ -16,6 +16,7 @@ import numpy as np
 
 from larql_desktop.engine.cache.keys import feature_key, key_features, select_features
 from larql_desktop.engine.cache.walk import WalkFfn
+from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
 
 DEFAULT_TOP_N = 20
@@ -56,7 +57,7 @@ def _patch_owning(patches, layer: int, feature: int) -> str | None:
     return owner
 
 
-def normed_ffn_input(engine, ids: list[int], layer: int) -> np.ndarray:
+def normed_ffn_input(engine: LarqlEngine, ids: list[int], layer: int) -> np.ndarray:
     """(d,) the normed FFN input at the last of `ids` and `layer`, from one pass with the engine's FFN settings
     and patches and no cache."""
     model = engine.model
@@ -73,7 +74,7 @@ def normed_ffn_input(engine, ids: list[int], layer: int) -> np.ndarray:
     return captured[0]
 
 
-def feature_view(engine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> FeatureView:
+def feature_view(engine: LarqlEngine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> FeatureView:
     """The feature view of the last position of `ids` (e.g. prompt ids + the generated ids before a sampled
     token: the pass that token was sampled from) at `layer`. ValueError for a bad request."""
     model = engine.model
@@ -89,12 +90,11 @@ def feature_view(engine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> Feature
         raise ValueError(f"the feature view shows at least one feature, not {top_n}")
     x = normed_ffn_input(engine, ids, layer)[None, :]
     walk = engine.request_walk()          # the engine's K and key width, its patches; gate_knn touches no cache
-    s = walk.settings
     (walked, walked_scores), = walk.gate_knn(layer, x)
     base = model.ffn.gate_scores(layer, x)[0]
-    key = key_features(base, select_features(base, s.top_k), s.key_width)
+    key = key_features(base, select_features(base, walk.top_k), walk.key_width)
     key_set = set(key.tolist())
-    ovr, patched, holds = walk._patched(layer, x)
+    ovr, patched, holds = walk.overrides_at(layer, x)
     owners: dict[int, str | None] = {}
     fired = []
     if ovr is not None:
@@ -106,5 +106,5 @@ def feature_view(engine, ids, layer: int, top_n: int = DEFAULT_TOP_N) -> Feature
     rows = tuple(FeatureRow(int(f), float(v), int(f) in key_set, owners.get(int(f)))
                  for f, v in zip(walked[:top_n], walked_scores[:top_n]))
     fired.sort(key=lambda r: -abs(r.score))
-    return FeatureView(layer, len(ids) - 1, ids[-1], s.top_k, s.key_width, feature_key(key), rows, tuple(fired),
+    return FeatureView(layer, len(ids) - 1, ids[-1], walk.top_k, walk.key_width, feature_key(key), rows, tuple(fired),
                        ovr is not None)

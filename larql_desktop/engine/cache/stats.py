@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from larql_desktop.engine.cache.tiers import CacheTier
 
 BYPASS_REASONS = ("prefill", "full_k", "patched", "cache_off")
+
+
+class WalkObserver(Protocol):
+    """What a walk reports each FFN call's outcome to: its statistics (`CacheStats`: the session's and the
+    engine's) and, for the token view, a session's `model.outcomes.OutcomeRecorder`. A walk is given its
+    observers (`WalkFfn.add_observer`); none of them is asked anything back."""
+
+    def record(self, layer: int, outcome: str, seconds: float | None, *, tier_results=(),
+               bypass: str | None = None) -> None: ...
+
+    def record_untimed(self, records: Sequence[tuple]) -> None: ...
+
+    def record_fidelity(self, cosine: float, max_abs: float, stale: float = 0.0) -> None: ...
+
+    def record_near_miss(self, layer: int, found) -> None: ...
 OUTCOMES = ("hit", "miss", "bypass", "dense")
 TIERS = ("L1", "L2", "L3")
 

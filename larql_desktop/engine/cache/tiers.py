@@ -43,7 +43,7 @@ class CacheEntry:
         return self.output.nbytes + self.residual.nbytes + (0 if self.features is None else self.features.nbytes)
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
+def frozen_copy(a: np.ndarray) -> np.ndarray:
     a = np.array(a, dtype=np.float32, copy=True)
     a.flags.writeable = False
     return a

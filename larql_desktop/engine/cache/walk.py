@@ -1,7 +1,8 @@
 """LARQL's walk FFN through its FFN activation cache (L1 per session, L2 per process, optional persistent L3).
 
 The key is made in keys.py, the tiers and the rule for serving a hit live in tiers.py, the counts in stats.py
-and the persistent store in l3.py; this module is the walk itself and where it consults them.
+and the persistent store in l3/ (codec, contract, SQLite and Redis backends); this module is the walk itself and
+where it consults them.
 
 Per layer, the gate KNN maps the normed FFN input to the top-K features by |gate score|; the cache key is a
 64-bit hash of that set of feature ids (keys.py), so two residuals that select the same features share an entry. Only
@@ -24,7 +25,7 @@ Beyond the seed (see shared/notes/larql-reference.md for the holes in LARQL's ow
     key alone lets a request for 3x store its output where the next request for x finds it;
   * key width k' <= K and an optional cosine guard with small buckets (the key-stability question);
   * a verify mode that recomputes a fraction of hits and records the error a hit really carries;
-  * an optional L3 (l3.py: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
+  * an optional L3 (l3/: SQLite or Redis) consulted after L2; its hits fill L2 and L1, misses write back.
 """
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ import numpy as np
 from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
                                              packed_mask_key, select_mask)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
-from larql_desktop.engine.cache.stats import CacheStats
+from larql_desktop.engine.cache.stats import WalkObserver
 from larql_desktop.engine.cache.trace import KeyTrace
-from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, _frozen
+from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, frozen_copy
+from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.model.transformer import ACTIVATIONS, PassAwareFfn
 from larql_desktop.engine.model.overlay import PatchOverlay
 
@@ -110,13 +112,19 @@ class WalkSettings:
         if self.patch_mode not in PATCH_MODES:
             raise ValueError(f"patch mode must be one of {', '.join(PATCH_MODES)}, not {self.patch_mode!r}")
 
-    def resolved(self, intermediate: int) -> "WalkSettings":
+    def sizes(self, intermediate: int) -> tuple[int, int]:
+        """(K, key width) for a model of `intermediate` features per layer, defaults filled in; ValueError if
+        either does not fit."""
         k = default_top_k(intermediate) if self.top_k is None else self.top_k
         if k > intermediate:
             raise ValueError(f"K={k} exceeds the model's {intermediate} features per layer")
         width = k if self.key_width is None else self.key_width
         if width > k:
             raise ValueError(f"key width {width} exceeds K={k}")
+        return k, width
+
+    def resolved(self, intermediate: int) -> "WalkSettings":
+        k, width = self.sizes(intermediate)
         return replace(self, top_k=k, key_width=width)
 
     @property
@@ -129,7 +137,7 @@ class WalkSettings:
 
 
 class FfnGraphs(Protocol):
-    config: object   # ModelConfig (its activation name is used for overridden features)
+    config: ModelConfig   # its activation name is used for overridden features
     numerics: str    # names how the graphs compute (export format): part of every cache key's namespace
 
     def gate_scores(self, layer: int, x: np.ndarray) -> np.ndarray: ...
@@ -146,7 +154,7 @@ class WalkFfn(PassAwareFfn):
     """
 
     def __init__(self, graphs: FfnGraphs, intermediate: int, model_checksum: str, settings: WalkSettings,
-                 l1: CacheTier | None, l2: CacheTier | None, stats: tuple[CacheStats, ...],
+                 l1: CacheTier | None, l2: CacheTier | None, stats: tuple[WalkObserver, ...],
                  patches: PatchOverlay | None = None, key_log: list | None = None, l3=None,
                  trace: KeyTrace | None = None):
         self.graphs = graphs
@@ -173,10 +181,11 @@ class WalkFfn(PassAwareFfn):
         self.key_log = key_log   # when a list: (layer, key) of every cache lookup, for offline analysis
         self.intermediate = intermediate
         self.settings = settings.resolved(intermediate)
+        self.top_k, self.key_width = settings.sizes(intermediate)   # the same as settings' own, typed int
         self._hit_rule = self.settings.hit_rule
         self.model_checksum = model_checksum
         self.l1, self.l2 = l1, l2
-        self.stats = stats
+        self.stats = stats      # the observers each call's outcome is reported to (statistics, recorders)
         self.patches = patches if patches is not None else PatchOverlay()
         self.full_k = is_full_k(self.settings.top_k, intermediate)
         self.activation = ACTIVATIONS[graphs.config.activation]
@@ -185,6 +194,11 @@ class WalkFfn(PassAwareFfn):
         self.near_miss = None if not s.near_miss_fraction else NearMissSampler(
             s.near_miss_fraction, s.cosine_guard if s.cosine_guard is not None else s.near_miss_tau,
             intermediate, s.top_k, seed=s.verify_seed)
+
+    def add_observer(self, observer: WalkObserver) -> None:
+        """Report every later call's outcome to `observer` too (once, however often it is added)."""
+        if observer not in self.stats:
+            self.stats = self.stats + (observer,)
 
     def namespace(self) -> tuple:
         """What an entry's output depends on besides the feature key: the model, K, key width and the graphs'
@@ -211,6 +225,11 @@ class WalkFfn(PassAwareFfn):
         """(T, F) 0/1 mask of the top-K features per position, and each position's selection (ascending ids)."""
         mask = self.selection_mask(scores)
         return mask, [np.flatnonzero(row) for row in mask]
+
+    def overrides_at(self, layer: int, x: np.ndarray):
+        """The INSERT overrides of `layer` as they stand for inputs `x`: (overrides or None, their gate scores
+        under the overlay (T, n), where each override holds its slot (T, n) bool); what the feature view shows."""
+        return self._patched(layer, x)
 
     def _patched(self, layer: int, x: np.ndarray):
         """(overrides or None, their gate scores under the overlay (T, n), where each override holds its slot)."""
@@ -362,7 +381,7 @@ class WalkFfn(PassAwareFfn):
         entry = None
         if np.isfinite(out).all():
             bits = None if self.near_miss is None else self.near_miss.bits(np.flatnonzero(selected))
-            entry = CacheEntry(_frozen(out[0]), _frozen(x0), bits)
+            entry = CacheEntry(frozen_copy(out[0]), frozen_copy(x0), bits)
             for tier in tiers:
                 tier.store(layer, key, entry, bucket)
         self._record(layer, "miss", started, tier_results=tuple(results))
@@ -568,7 +587,7 @@ class WalkFfn(PassAwareFfn):
         layers = range(kept)
         # An overflowed output is kept as computed but never stored: a cache holds only what a later hit may serve.
         finite = np.isfinite(ran.outputs[:kept]).all(axis=1)
-        stored = [(layer, keys[layer], CacheEntry(_frozen(ran.outputs[layer]), _frozen(ran.inputs[layer])))
+        stored = [(layer, keys[layer], CacheEntry(frozen_copy(ran.outputs[layer]), frozen_copy(ran.inputs[layer])))
                   for layer in layers if finite[layer]]
         for tier in tiers:
             tier.store_many(stored)

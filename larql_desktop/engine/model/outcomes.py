@@ -1,8 +1,8 @@
 """Per-layer FFN outcomes of one forward pass, for the token view.
 
-An `OutcomeRecorder` sits beside a WalkFfn's CacheStats in its `stats` tuple (it has the same `record`
-signature), so the walk reports to it exactly what it counts, without any change to the walk itself. A
-session starts it before a forward pass and takes the outcomes after it.
+An `OutcomeRecorder` is one of a walk's observers (cache.stats.WalkObserver, beside its CacheStats: the session adds
+it with `WalkFfn.add_observer`), so the walk reports to it exactly what it counts. A session starts it before a
+forward pass and takes the outcomes after it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class OutcomeRecorder:
         layers, self._layers = self._layers, {}
         return tuple(layers[k] for k in sorted(layers))
 
-    # --- the CacheStats interface WalkFfn calls ---
+    # --- the WalkObserver protocol a walk reports to ---
 
     def record(self, layer: int, outcome: str, seconds: float | None, *, tier_results=(),
                bypass: str | None = None) -> None:
@@ -70,9 +70,3 @@ class OutcomeRecorder:
 
     def record_near_miss(self, layer: int, found) -> None:
         pass   # near-miss explanations go to the statistics, not to a token's outcomes
-
-    def attach(self, ffn) -> None:
-        """Add this recorder to a WalkFfn's stats (again after the engine rebuilt the session's walk)."""
-        stats = getattr(ffn, "stats", None)
-        if isinstance(stats, tuple) and self not in stats:
-            ffn.stats = stats + (self,)

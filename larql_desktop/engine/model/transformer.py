@@ -19,7 +19,7 @@ from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 
 
 class FfnCall(Protocol):
-    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def __call__(self, layer: int, x: np.ndarray, /) -> np.ndarray:
         """x: normed FFN input (T, d) -> raw FFN output (T, d)."""
 
 
@@ -246,6 +246,18 @@ class TransformerModel:
                 post_ffn_norm=optional(p + "post_ffw_norm.weight"),
             ) for p in (f"blk.{i}." for i in range(self.config.n_layers))]
         return self._layers
+
+    @property
+    def attention_weights_loaded(self) -> bool:
+        """Whether `layers` has dequantised the fp32 attention weights (the numpy path's, ~100 MB)."""
+        return self._layers is not None
+
+    def ffn_norm(self, layer: int) -> np.ndarray:
+        """Layer `layer`'s FFN input norm weight (d,) in fp32: the same values as `layers[layer].ffn_norm`, read
+        alone, so asking for it never dequantises the attention weights."""
+        if self._layers is not None:
+            return self._layers[layer].ffn_norm
+        return dequantize(self.gguf.tensors[f"blk.{layer}.ffn_norm.weight"])
 
     # -- pieces -------------------------------------------------------------------------------------------
     def embed(self, ids: np.ndarray) -> np.ndarray:
