@@ -546,8 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "redis://HOST:PORT/DB[#PREFIX] or off")
     serve.add_argument("--l3-fp16", action="store_true", help="store L3 values as fp16 (half the bytes)")
     serve.add_argument("--l3-max-mb", type=int, default=512, help="L3 size cap in MiB (default 512)")
-    serve.add_argument("--prefix-cache-mb", type=int, default=512,
-                       help="KV prefix cache shared by every request, in MiB (0: off; default 512)")
+    serve.add_argument("--prefix-cache-mb", type=int, default=256,
+                       help="KV prefix cache shared by every request, in MiB (0: off; default 256)")
     serve.add_argument("--prefill-chunk", type=int, default=64,
                        help="positions per prefill pass; other requests run between chunks (default 64)")
     serve.set_defaults(func=cmd_serve)

@@ -3,15 +3,21 @@ SmolLM2: logprobs (plain and streamed, equal to a log-softmax of the engine's ow
 every request (bit-identical to recomputing, invalidated by patches, bounded in bytes) and chunked prefill."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import openai
 import pytest
 
+from larql_desktop.api.openai_compat import FairTurns
 from larql_desktop.api.server import start_server
 from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.completions import CompletionRun
 from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.model.overlay import Patch, PatchOperation
+from larql_desktop.tools.serve_load import run_serve_load
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
@@ -269,3 +275,59 @@ def test_the_prefix_caches_byte_bound_holds_under_a_flood_of_distinct_prompts(sm
         assert stats.evictions > 0 and stats.stored == 12 and stats.entries == stats.stored - stats.evictions
     finally:
         handle.stop()
+
+
+# ----------------------------------------------------------------------------------------------- chunked prefill
+def test_a_long_prefill_lets_another_request_run_between_its_chunks_and_stops_at_a_chunk(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(), prefill_chunk=16)
+    text = "The museum's hall of minerals holds quartz, beryl, topaz and a meteorite from Namibia. " * 8
+    long_ids = smollm2.tokenizer.encode(text)[:150]
+    short_ids = smollm2.encode_prompt(QUESTION)
+    greedy = SamplingSettings(max_tokens=3)
+    long_run, short_run = CompletionRun(engine, long_ids, greedy), CompletionRun(engine, short_ids, greedy)
+    turns = FairTurns()
+    seen: list[tuple[str, int, bool]] = []
+
+    async def drive(name: str, run: CompletionRun) -> None:
+        while not run.finished:
+            await turns.run(run.step)
+            seen.append((name, run.session.kv.length, run.finished))
+
+    async def both() -> None:
+        await asyncio.gather(drive("long", long_run), drive("short", short_run))
+
+    asyncio.run(both())
+    # Every prefill step ran one chunk, and the short request ended while the long prompt was still prefilling.
+    long_lengths = [n for name, n, _ in seen if name == "long"]
+    assert long_lengths[:3] == [16, 32, 48]
+    short_end = next(i for i, (name, _, done) in enumerate(seen) if name == "short" and done)
+    assert max(n for name, n, _ in seen[:short_end] if name == "long") < len(long_ids)
+    reply_alone = CompletionRun(engine, short_ids, greedy)
+    while not reply_alone.finished:
+        reply_alone.step()
+    assert short_run.close().text == reply_alone.close().text    # interleaving changes nothing it computes
+    long_run.close()
+
+    # A run closed in the middle of its prefill (a client gone) runs no further chunk and frees its session.
+    engine.clear_caches()                             # the long prompt's chunks are stored: start cold
+    stopped = CompletionRun(engine, long_ids, greedy)
+    stopped.step()
+    stopped.step()
+    result = stopped.close()
+    assert stopped.session.kv.length == 32 and stopped.session not in engine.sessions
+    assert result.finish_reason is None and result.completion_tokens == 0
+    assert stopped.step() == "" and stopped.session.kv.length == 32
+
+
+def test_the_serve_load_mode_runs_against_the_server(served):
+    engine, handle = served
+    report = run_serve_load(handle.url, None, turns=3, max_tokens=4, shared_clients=2, client_counts=(1, 2),
+                            replies=1, long_tokens=128, beside_delay=0.0, sizes=(64,))
+    assert report["model"] == "smollm2" and [r["turn"] for r in report["multi_turn"]] == [1, 2, 3]
+    chunk = engine.prefill_chunk
+    for before, after in zip(report["multi_turn"], report["multi_turn"][1:]):
+        assert after["cached_tokens"] == before["prompt_tokens"] - before["prompt_tokens"] % chunk
+    assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
+    assert [r["clients"] for r in report["aggregate"]] == [1, 2]
+    assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])
+    assert report["beside_long"]["long_prompt_tokens"] > 64 and report["prefill"][0]["prompt_tokens"] > 32

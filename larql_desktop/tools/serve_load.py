@@ -137,15 +137,16 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) 
     return out
 
 
-def sentences_for(client: Client, tokens: int) -> int:
-    probe = client.complete(filler(40, 0), 1)["prompt_tokens"] or 40 * 10
+def sentences_for(client: Client, tokens: int, salt: int) -> int:
+    """Filler sentences for about `tokens` prompt tokens, from the server's count for 40 of them (same salt width)."""
+    probe = client.complete(filler(40, salt), 1)["prompt_tokens"] or 40 * 12
     return max(1, round(40 * tokens / probe))
 
 
 def beside_long(client: Client, long_tokens: int, delay: float, salt: int) -> dict:
     small = [{"role": "user", "content": "Hi"}]
     alone = client.chat(small, 4)["ttft"]
-    long_prompt = filler(sentences_for(client, long_tokens), salt)
+    long_prompt = filler(sentences_for(client, long_tokens, salt + 1), salt)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(client.complete(long_prompt, 1)), daemon=True)
     worker.start()
@@ -160,7 +161,8 @@ def beside_long(client: Client, long_tokens: int, delay: float, salt: int) -> di
 def prefill(client: Client, sizes: list[int], salt: int) -> list[dict]:
     out = []
     for i, size in enumerate(sizes):
-        r = client.complete(filler(sentences_for(client, size), salt * 100 + i + 1), 1)
+        run_salt = salt * 100 + i + 1
+        r = client.complete(filler(sentences_for(client, size, run_salt + 50), run_salt), 1)
         out.append({"target_tokens": size, "prompt_tokens": r["prompt_tokens"], "seconds": _rounded(r["seconds"])})
     return out
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from larql_desktop.engine.model.transformer import KvCache
 
-DEFAULT_PREFIX_CACHE_BYTES = 512 * 2 ** 20    # SmolLM2: 46 KB a token, ~11,000 tokens; Gemma 3 270M: 37 KB a token
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2 ** 20    # SmolLM2: 46 KB a token, ~5,700 tokens; Gemma 3 270M: 37 KB a token
 
 
 @dataclass(frozen=True)
