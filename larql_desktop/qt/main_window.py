@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from PySide6.QtCore import QSettings, Qt, Slot
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, QFileDialog, QFrame, QHBoxLayout,
                                QInputDialog, QLabel, QMainWindow, QProgressBar, QPushButton, QSpinBox, QTabWidget,
                                QToolButton, QVBoxLayout, QWidget)
@@ -27,6 +27,8 @@ from larql_desktop.qt.protocol import (EngineActivity, ErrorReport, ModelInfo, R
 from larql_desktop.qt.qt_cache_monitor import CacheMonitor
 from larql_desktop.qt.qt_chat_tab import ChatTab
 from larql_desktop.qt.qt_patch_editor import PatchEditor
+from larql_desktop.qt.qt_reply_views import ReplyMap
+from larql_desktop.qt import token_shading
 from larql_desktop.qt.qt_sampling_panel import SamplingPanel
 from larql_desktop.qt.qt_theme import app_icon, apply_theme
 from larql_desktop.qt.reply_stats import format_load_progress, format_reply_stats
@@ -113,6 +115,13 @@ class MainWindow(QMainWindow):
         self.monitor = CacheMonitor(client)
         self.monitor_dock = self.add_panel("Cache monitor", self.monitor, Qt.BottomDockWidgetArea,
                                            shortcut="Ctrl+Shift+M")
+        self.reply_map = ReplyMap(client)
+        self.reply_map_dock = self.add_panel("Reply map", self.reply_map, Qt.BottomDockWidgetArea,
+                                             shortcut="Ctrl+Shift+L")
+        self.reply_map.cell_clicked.connect(self._on_reply_cell_clicked)
+        self.reply_map.analysed.connect(self._on_reply_analysed)
+        self.reply_map_dock.visibilityChanged.connect(self._on_reply_map_shown)
+        self._reply_map_source: tuple[ChatTab, int] | None = None   # the (tab, turn index) the map shows
         for panel in (self.patch_editor, self.monitor):
             panel.error.connect(self.show_error)
         # The right-hand panels run the full height; the monitor sits under the chats.
@@ -198,6 +207,15 @@ class MainWindow(QMainWindow):
             chat_menu.addAction(action)
         view_menu = bar.addMenu("&View")
         view_menu.addAction(self.dark_theme_action)
+        shade_menu = view_menu.addMenu("&Shade replies by")
+        self.shade_actions = QActionGroup(self)
+        for key, text in token_shading.MEASURES.items():
+            action = shade_menu.addAction(text)
+            action.setCheckable(True)
+            action.setData(key)
+            action.setChecked(key == token_shading.NONE)
+            action.triggered.connect(lambda _=False, k=key: self.set_shading(k))
+            self.shade_actions.addAction(action)
         self.panels_menu = view_menu.addMenu("&Panels")
         view_menu.addAction(self.reset_layout_action)
         server_menu = bar.addMenu("&Server")
@@ -219,6 +237,21 @@ class MainWindow(QMainWindow):
         self.model_picker.activated.connect(self._on_model_picked)   # user choices only, not setCurrentIndex
         toolbar.addWidget(label)
         toolbar.addWidget(self.model_picker)
+        toolbar.addSeparator()
+        shade_label = QLabel(" Shade replies by: ")
+        self.shade_picker = QComboBox()
+        self.shade_picker.setAccessibleName("Shade replies by")
+        self.shade_picker.setToolTip("Colour each token of the replies that have ended by a measure; hover a token "
+                                     "for its alternatives, click it to inspect it")
+        for key, text in token_shading.MEASURES.items():
+            self.shade_picker.addItem(text, key)
+        shade_label.setBuddy(self.shade_picker)
+        self.shade_picker.currentIndexChanged.connect(lambda _: self.set_shading(self.shade_picker.currentData()))
+        self.shade_legend = QLabel("")
+        self.shade_legend.setAccessibleName("Shading legend")
+        toolbar.addWidget(shade_label)
+        toolbar.addWidget(self.shade_picker)
+        toolbar.addWidget(self.shade_legend)
 
     def _build_central(self) -> None:
         self.error_banner = ErrorBanner()
@@ -328,11 +361,12 @@ class MainWindow(QMainWindow):
 
     def _default_dock_sizes(self) -> None:
         self.patch_editor_dock.raise_()
-        # The right-hand panels as wide as their widest minimum (the patch editor's form, never scrolled
-        # sideways); the monitor under the chats takes under half the height, so the chat stays the main view.
-        right = max(400, max(d.minimumSizeHint().width() for d, a in self._panels if a == Qt.RightDockWidgetArea))
+        self.monitor_dock.raise_()
+        # The right-hand panels as wide as the patch editor's form needs (never scrolled sideways); the monitor
+        # under the chats at most half the height (its charts need ~400 px).
+        right = max(400, self.patch_editor.fitting_width)
         self.resizeDocks([self.patch_editor_dock], [right], Qt.Horizontal)
-        self.resizeDocks([self.monitor_dock], [max(300, int(self.height() * 0.4))], Qt.Vertical)
+        self.resizeDocks([self.monitor_dock], [max(300, min(420, self.height() // 2))], Qt.Vertical)
 
     # --- chats ---
 
@@ -363,6 +397,7 @@ class MainWindow(QMainWindow):
     def _add_tab(self, chat_id: int, title: str, sampling: SamplingSettings, system_prompt: str | None) -> ChatTab:
         tab = ChatTab(chat_id, title, [self.send_action, self.stop_action, self.regenerate_action],
                       sampling=sampling, system_prompt=system_prompt)
+        tab.shade_by = self.shading
         tab.tokens_requested.connect(lambda index, t=tab: self.show_tokens(t, index))
         tab.token_clicked.connect(lambda index, token, t=tab: self.show_tokens(t, index, token))
         self.tabs.setCurrentIndex(self.tabs.addTab(tab, _tab_text(title)))
@@ -540,11 +575,74 @@ class MainWindow(QMainWindow):
     def show_tokens(self, tab: ChatTab, index: int, token: int = 0) -> None:
         turn = tab.transcript.turns[index]
         number = sum(1 for t in tab.transcript.turns[:index + 1] if t.role == ASSISTANT)
-        self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {number}")
+        if self.token_view.events != list(turn.tokens):
+            self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {number}")
         if 0 <= token < len(turn.tokens):
             self.token_view.tokens.setCurrentRow(token)
+        self._show_reply_map(tab, index)
         self.token_dock.show()
         self.token_dock.raise_()
+
+    # --- the reply as pictures: shading, the reply x layer map ---
+
+    @property
+    def shading(self) -> str:
+        checked = self.shade_actions.checkedAction()
+        return checked.data() if checked is not None else token_shading.NONE
+
+    @Slot(str)
+    def set_shading(self, measure: str) -> None:
+        """Shade the ended replies of every chat by `measure` (token_shading.MEASURES; "none": Markdown)."""
+        if measure not in token_shading.MEASURES:
+            raise ValueError(f"no shading measure {measure!r}; choose one of {', '.join(token_shading.MEASURES)}")
+        for action in self.shade_actions.actions():
+            action.setChecked(action.data() == measure)
+        self.shade_picker.blockSignals(True)
+        self.shade_picker.setCurrentIndex(self.shade_picker.findData(measure))
+        self.shade_picker.blockSignals(False)
+        self.shade_legend.setText(token_shading.legend_html(measure))
+        for tab in self.chat_tabs():
+            if tab.shade_by != measure:
+                tab.shade_by = measure
+                tab.render()
+        if measure == token_shading.INSERT and self.reply_map.turn is not None and self.reply_map.fired is None:
+            self.reply_map.analyse()   # where INSERTs fired is known once the reply's pass has run
+
+    def _show_reply_map(self, tab: ChatTab, index: int) -> None:
+        turn = tab.transcript.turns[index]
+        if self.reply_map.turn is turn:
+            return
+        number = sum(1 for t in tab.transcript.turns[:index + 1] if t.role == ASSISTANT)
+        self._reply_map_source = (tab, index)
+        # The pass is recomputed only when its picture is in view (or shading asks where INSERTs fired).
+        wanted = self.reply_map_dock.isVisible() and not self.reply_map.visibleRegion().isEmpty() \
+            or self.shading == token_shading.INSERT
+        self.reply_map.show_reply(turn, f"{tab.title}, reply {number}: tokens across, layers down",
+                                  analyse=wanted and self.client.ready)
+
+    @Slot(bool)
+    def _on_reply_map_shown(self, visible: bool) -> None:
+        if visible and self.reply_map.turn is not None and self.reply_map.fired is None \
+                and self.reply_map._pending is None and self.client.ready:
+            self.reply_map.analyse()
+
+    @Slot(int, int)
+    def _on_reply_cell_clicked(self, token: int, layer: int) -> None:
+        """A cell of the reply map: that token in the token view, its pass's features at that layer."""
+        if self._reply_map_source is None:
+            return
+        tab, index = self._reply_map_source
+        if self.tabs.indexOf(tab) < 0:
+            return
+        self.show_tokens(tab, index, token)
+        self.token_view.show_features(layer)
+
+    @Slot(object)
+    def _on_reply_analysed(self, turn) -> None:
+        if self.shading == token_shading.INSERT:
+            for tab in self.chat_tabs():
+                if any(t is turn for t in tab.transcript.turns):
+                    tab.render()
 
     @Slot()
     def show_last_reply_tokens(self) -> None:
@@ -752,6 +850,7 @@ class MainWindow(QMainWindow):
         if replies:
             turn = tab.transcript.turns[replies[-1]]
             self.token_view.show_reply(turn.tokens, f"{tab.title}, reply {len(replies)}")
+            self._show_reply_map(tab, replies[-1])
 
     # --- HTTP API ---
 
@@ -848,9 +947,13 @@ class MainWindow(QMainWindow):
         state = s.value("window/state")
         if state is not None:
             self.restoreState(state)
+            if geometry is not None:   # the docks' saved sizes may have grown the window: the saved size wins
+                self.restoreGeometry(geometry)
         else:
             self._default_dock_sizes()
         self.set_dark_theme(str(s.value("view/dark", "false")).lower() == "true")
+        shading = str(s.value("view/shade", token_shading.NONE))
+        self.set_shading(shading if shading in token_shading.MEASURES else token_shading.NONE)
         self.sampling.restore(s)
         self.monitor.restore(s)
         self.patch_editor.restore(s)
@@ -867,6 +970,7 @@ class MainWindow(QMainWindow):
         s.setValue("window/geometry", self.saveGeometry())
         s.setValue("window/state", self.saveState())
         s.setValue("view/dark", self.dark_theme_action.isChecked())
+        s.setValue("view/shade", self.shading)
         for panel in (self.sampling, self.monitor):
             try:
                 panel.save(s)

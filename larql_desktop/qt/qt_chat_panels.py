@@ -6,11 +6,12 @@ import time
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QSplitter, QTableWidgetItem, QToolButton,
+                               QListWidgetItem, QSplitter, QTableWidgetItem, QTabWidget, QToolButton,
                                QVBoxLayout, QWidget)
 
 from larql_desktop.engine.chats import ChatSummary
 from larql_desktop.qt.qt_feature_view import FeatureTable
+from larql_desktop.qt.qt_reply_views import LensTable
 from larql_desktop.qt.qt_tables import read_only_table
 
 
@@ -98,23 +99,35 @@ class TokenView(QWidget):
         self.layers = read_only_table(["Layer", "FFN"], "FFN per layer")
         self.note = QLabel("")
         self.note.setWordWrap(True)
-        right = QWidget()
-        right_layout = QVBoxLayout(right)
-        right_layout.setContentsMargins(0, 0, 0, 0)
-        right_layout.addWidget(_wrapped("Top 5 (the model's probabilities at this step)"))
-        right_layout.addWidget(self.alternatives)
-        right_layout.addWidget(self.note)
-        right_layout.addWidget(_wrapped("FFN per layer, in the pass this token was sampled from"))
-        right_layout.addWidget(self.layers, 1)
-        # With an engine client: the selected token's strongest features at a layer (click a layer row).
+        top = QWidget()
+        top_layout = QVBoxLayout(top)
+        top_layout.setContentsMargins(0, 0, 0, 0)
+        top_layout.addWidget(_wrapped("Top 5 (the model's probabilities at this step)"))
+        top_layout.addWidget(self.alternatives, 1)
+        top_layout.addWidget(self.note)
+        per_layer = QWidget()
+        per_layer_layout = QVBoxLayout(per_layer)
+        per_layer_layout.setContentsMargins(0, 0, 0, 0)
+        per_layer_layout.addWidget(_wrapped("FFN per layer, in the pass this token was sampled from"))
+        per_layer_layout.addWidget(self.layers, 1)
+        # The selected token's details in tabs, each with the panel's full height: what the FFN did per layer,
+        # its strongest features at a layer (click a layer row), the logit lens.
+        self.details = QTabWidget()
+        self.details.setAccessibleName("Token details")
+        self.details.addTab(top, "Top 5")
+        self.details.addTab(per_layer, "FFN per layer")
+        # With an engine client: the features at a layer and the logit lens.
         self.features = FeatureTable(client) if client is not None else None
+        self.lens = LensTable(client) if client is not None else None
         if self.features is not None:
             self.layers.cellClicked.connect(self._layer_clicked)
-            right_layout.addWidget(self.features, 1)
+            self.details.addTab(self.features, "Features")
+            self.details.addTab(self.lens, "Logit lens")
+            self.details.currentChanged.connect(self._details_changed)
         splitter = QSplitter(Qt.Vertical)   # narrow: it shares the right-hand dock with the other panels
         splitter.addWidget(self.tokens)
-        splitter.addWidget(right)
-        splitter.setStretchFactor(1, 2)
+        splitter.addWidget(self.details)
+        splitter.setStretchFactor(1, 3)
         layout = QVBoxLayout(self)
         layout.addWidget(self.caption)
         layout.addWidget(splitter, 1)
@@ -143,6 +156,9 @@ class TokenView(QWidget):
         if self.features is not None:
             before = tuple(e.token_id for e in self.events[:max(row, 0)])
             self.features.set_token(event, before, len(event.layers) if event is not None else 0)
+            self.lens.set_token(event)
+            if self.details.currentWidget() is self.lens:
+                self.lens.request()
         if event is None:
             return
         for a in event.alternatives:
@@ -162,4 +178,20 @@ class TokenView(QWidget):
     def _layer_clicked(self, row: int, _column: int) -> None:
         item = self.layers.item(row, 0)
         if item is not None and self.features is not None:
-            self.features.request(int(item.text()))
+            self.show_features(int(item.text()))
+
+    def show_features(self, layer: int) -> int | None:
+        """The selected token's features at `layer`, in front."""
+        self.details.setCurrentWidget(self.features)
+        return self.features.request(layer)
+
+    def show_lens(self) -> int | None:
+        """The selected token's logit lens, in front (computed now)."""
+        self.details.blockSignals(True)
+        self.details.setCurrentWidget(self.lens)
+        self.details.blockSignals(False)
+        return self.lens.request()
+
+    def _details_changed(self, _index: int) -> None:
+        if self.details.currentWidget() is self.lens and self.lens.lens is None:
+            self.lens.request()

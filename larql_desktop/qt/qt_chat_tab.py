@@ -6,17 +6,22 @@ its tokens in the token view."""
 from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QFont, QFontDatabase, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument
+from PySide6.QtGui import (QAction, QColor, QFont, QFontDatabase, QTextBlockFormat, QTextCharFormat, QTextCursor,
+                           QTextDocument, QTextFormat)
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QMenu, QPlainTextEdit, QSplitter, QTextBrowser,
-                               QToolButton, QVBoxLayout, QWidget)
+                               QToolButton, QToolTip, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.qt import token_shading
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
 # Streamed text reaches the view at most this often: a layout and repaint per token took the GUI thread's share of
 # the GIL and of the cores from the decode (the transcript itself takes each token at once).
 APPEND_INTERVAL_MS = 50
+# Character format properties of a shaded reply's tokens: which turn and which of its tokens the text is.
+TURN_PROPERTY = QTextFormat.UserProperty + 1
+TOKEN_PROPERTY = QTextFormat.UserProperty + 2
 
 
 def markdown_as_plain_text(markdown: str) -> str:
@@ -38,6 +43,7 @@ class ChatTab(QWidget):
         self.sampling = sampling or SamplingSettings()
         self.system_prompt = system_prompt   # None: the model's template default
         self.reply_writer = None             # the chats store's StreamingReply while a reply streams
+        self.shade_by = token_shading.NONE   # the measure ended replies are shaded by (the window sets it)
         self.transcript = Transcript()
         self._unshown = ""      # streamed text the view has yet to show
         self._append_timer = QTimer(self)
@@ -122,6 +128,12 @@ class ChatTab(QWidget):
             start = cursor.position()
             if turn.role == NOTICE:
                 block(turn.text, formats["notice"], new_turn=True)
+            elif self._shaded(turn):
+                block(_HEADERS[turn.role], formats["header"], new_turn=True)
+                block("", formats["body"])
+                self._insert_shaded(cursor, index, turn, formats["body"])
+                if turn.footer:
+                    block(turn.footer, formats["footer"])
             else:
                 block(_HEADERS[turn.role], formats["header"], new_turn=True)
                 # A streaming reply stays plain text: `append` adds to it, and half a code fence renders oddly.
@@ -131,6 +143,64 @@ class ChatTab(QWidget):
             self.turn_spans.append((start, cursor.position(), index))
         _monospace_code(doc)
         self._scroll_to_end()
+
+    def _shaded(self, turn) -> bool:
+        return (self.shade_by != token_shading.NONE and turn.role == ASSISTANT and turn.done
+                and bool(turn.tokens))
+
+    def _insert_shaded(self, cursor: QTextCursor, index: int, turn, body: QTextCharFormat) -> None:
+        """The reply as its tokens, each with its shade, its tooltip and which token it is (for clicks)."""
+        remaining = len(turn.text)          # stop strings and held-back bytes: the reply's text is what counts
+        shown = 0
+        for number, event in enumerate(turn.tokens):
+            text = event.text[:max(0, remaining - shown)]
+            if not text:
+                continue
+            fired = turn.fired.get(number, ())
+            fmt = QTextCharFormat(body)
+            colour = token_shading.shade(event, self.shade_by, fired)
+            if colour is not None:
+                fmt.setBackground(QColor(colour))
+                fmt.setForeground(QColor("black"))   # the shades are light in either theme
+            fmt.setToolTip(token_shading.token_tooltip(event, fired))
+            fmt.setProperty(TURN_PROPERTY, index)
+            fmt.setProperty(TOKEN_PROPERTY, number)
+            cursor.insertText(text, fmt)
+            shown += len(text)
+        if shown < remaining:
+            cursor.insertText(turn.text[shown:], body)
+
+    def shaded_tokens(self) -> list[tuple[int, int, str, str | None]]:
+        """(turn index, token index, text, background '#rrggbb' or None) of every shaded token shown, in order."""
+        out = []
+        block = self.view.document().begin()
+        while block.isValid():
+            it = block.begin()
+            while not it.atEnd():
+                fragment = it.fragment()
+                fmt = fragment.charFormat()
+                if fragment.isValid() and fmt.hasProperty(TOKEN_PROPERTY):
+                    background = fmt.background().color().name() if fmt.hasProperty(QTextFormat.BackgroundBrush) \
+                        else None
+                    key = (fmt.intProperty(TURN_PROPERTY), fmt.intProperty(TOKEN_PROPERTY))
+                    if out and out[-1][:2] == key:   # a token's text across a line break: one entry
+                        out[-1] = (*key, out[-1][2] + "\n" + fragment.text(), background)
+                    else:
+                        out.append((*key, fragment.text(), background))
+                it += 1
+            block = block.next()
+        return out
+
+    def _token_format_at(self, point: QPoint) -> QTextCharFormat | None:
+        """The format of the shaded token under a viewport point, if any."""
+        cursor = self.view.cursorForPosition(point)
+        for position in (cursor.position() + 1, cursor.position()):
+            probe = QTextCursor(self.view.document())
+            probe.setPosition(min(position, self.view.document().characterCount() - 1))
+            fmt = probe.charFormat()
+            if fmt.hasProperty(TOKEN_PROPERTY):
+                return fmt
+        return None
 
     def append(self, text: str) -> None:
         """Add streamed text to the reply being generated; the view shows it within APPEND_INTERVAL_MS."""
@@ -182,9 +252,17 @@ class ChatTab(QWidget):
         return text
 
     def eventFilter(self, watched, event) -> bool:
+        if watched is self.view.viewport() and event.type() == QEvent.ToolTip:
+            fmt = self._token_format_at(event.pos())
+            if fmt is not None:
+                QToolTip.showText(event.globalPos(), fmt.toolTip(), self.view)
+                return True
         if (watched is self.view.viewport() and event.type() == QEvent.MouseButtonRelease
                 and event.button() == Qt.LeftButton and not self.view.textCursor().hasSelection()):
-            hit = self.token_at(self.view.cursorForPosition(event.position().toPoint()).position())
+            point = event.position().toPoint()
+            fmt = self._token_format_at(point)
+            hit = (fmt.intProperty(TURN_PROPERTY), fmt.intProperty(TOKEN_PROPERTY)) if fmt is not None else \
+                self.token_at(self.view.cursorForPosition(point).position())
             if hit is not None:
                 self.token_clicked.emit(*hit)
         return super().eventFilter(watched, event)

@@ -14,9 +14,10 @@ from PySide6.QtCore import Slot
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QSpinBox, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.analysis.features import FeatureView, feature_view
+from larql_desktop.engine.analysis.lens import FeatureVocabulary, PromotedTokens
 from larql_desktop.qt.qt_tables import read_only_table
 
-FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired")
+FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired", "Promotes")
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,25 @@ class ShowFeaturesOfIds:
 class FeaturesResult:
     request_id: int
     view: FeatureView
+    promoted: tuple[PromotedTokens, ...] = ()   # per row of the view: the tokens its down vector promotes
+
+
+def _vocabulary(worker, cache: dict) -> FeatureVocabulary:
+    """The loaded engine's promoted-token cache (a new engine, a new cache)."""
+    if cache.get("engine") is not worker.engine:
+        cache["engine"], cache["vocabulary"] = worker.engine, FeatureVocabulary(worker.engine)
+    return cache["vocabulary"]
+
+
+def _result(worker, cache: dict, request_id: int, view: FeatureView) -> FeaturesResult:
+    promoted = _vocabulary(worker, cache).promoted(view.layer, [r.feature for r in view.rows])
+    return FeaturesResult(request_id, view, promoted)
 
 
 def features_handler(worker):
     """The engine-thread side: the session's history up to the pass, checked against the reply, then the view."""
+    cache: dict = {}
+
     def handle(request: ShowFeatures) -> None:
         if worker.engine is None:
             raise ValueError("load a model first")
@@ -55,18 +71,24 @@ def features_handler(worker):
         if len(ids) != request.position + 1 or (before and ids[len(ids) - len(before):] != before):
             raise ValueError("the chat has moved on since this reply (regenerated or edited): its tokens are no "
                              "longer in the session")
-        worker.event.emit(FeaturesResult(request.request_id, feature_view(worker.engine, ids, request.layer)))
+        worker.event.emit(_result(worker, cache, request.request_id, feature_view(worker.engine, ids, request.layer)))
     return handle
 
 
 def features_of_ids_handler(worker):
     """The engine-thread side for explicit token ids: the view of their last position."""
+    cache: dict = {}
+
     def handle(request: ShowFeaturesOfIds) -> None:
         if worker.engine is None:
             raise ValueError("load a model first")
-        worker.event.emit(FeaturesResult(request.request_id,
-                                         feature_view(worker.engine, list(request.token_ids), request.layer)))
+        worker.event.emit(_result(worker, cache, request.request_id,
+                                  feature_view(worker.engine, list(request.token_ids), request.layer)))
     return handle
+
+
+def _visible(text: str) -> str:
+    return text.replace("\n", "\\n").replace("\t", "\\t") if text.strip() else repr(text)
 
 
 class FeatureTable(QWidget):
@@ -77,6 +99,7 @@ class FeatureTable(QWidget):
         super().__init__(parent)
         self.client = client
         self.view: FeatureView | None = None
+        self.promoted: tuple[PromotedTokens, ...] = ()
         self._pending: int | None = None
         # (request_id, layer) -> the request for the selected token; None: nothing selected.
         self._make_request: Callable[[int, int], object] | None = None
@@ -89,7 +112,11 @@ class FeatureTable(QWidget):
         self.layer.valueChanged.connect(self._layer_changed)
         self.status = QLabel("Pick a token, then a layer (or click a layer row above).")
         self.status.setWordWrap(True)
-        self.table = read_only_table(FEATURE_COLUMNS, "Strongest features")
+        self.table = read_only_table(FEATURE_COLUMNS, "Strongest features", stretch=False)
+        header = self.table.horizontalHeader()
+        for column in range(len(FEATURE_COLUMNS) - 1):
+            header.setSectionResizeMode(column, header.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(len(FEATURE_COLUMNS) - 1, header.ResizeMode.Stretch)
         self.header = QHBoxLayout()     # a host panel may add its own choice of token here
         self.header.addWidget(QLabel("Features at layer"))
         self.header.addWidget(self.layer, 1)
@@ -144,7 +171,7 @@ class FeatureTable(QWidget):
     def _on_event(self, event: object) -> None:
         if isinstance(event, FeaturesResult) and event.request_id == self._pending:
             self._pending = None
-            self.show_view(event.view)
+            self.show_view(event.view, event.promoted)
 
     @Slot(object)
     def _on_error(self, report) -> None:
@@ -152,16 +179,23 @@ class FeatureTable(QWidget):
             self._pending = None
             self.status.setText(f"Failed: {report.message}")
 
-    def show_view(self, view: FeatureView) -> None:
+    def show_view(self, view: FeatureView, promoted: tuple[PromotedTokens, ...] = ()) -> None:
         self.view = view
+        self.promoted = promoted
         self.table.setRowCount(0)
-        for r in view.rows:
+        for n, r in enumerate(view.rows):
             i = self.table.rowCount()
             self.table.insertRow(i)
+            tokens = promoted[n] if n < len(promoted) else None
             cells = (str(r.feature), f"{r.score:+.4f}", "yes" if r.in_key else "",
-                     f"patch {r.patch_id}" if r.patch_id else "")
+                     f"patch {r.patch_id}" if r.patch_id else "",
+                     " ".join(_visible(t) for t in tokens.texts) if tokens is not None else "")
             for column, text in enumerate(cells):
-                self.table.setItem(i, column, QTableWidgetItem(text))
+                item = QTableWidgetItem(text)
+                if column == 4 and tokens is not None:
+                    item.setToolTip("Its down vector through the final norm and head promotes:\n" + "\n".join(
+                        f"{_visible(t)}  logit {v:+.2f}" for t, v in zip(tokens.texts, tokens.logits)))
+                self.table.setItem(i, column, item)
         fired = ", ".join(f"{r.feature} (patch {r.patch_id})" for r in view.fired) or "none"
         self.status.setText(f"Layer {view.layer}, position {view.position}: the {len(view.rows)} strongest of "
                             f"K={view.top_k}; key of k'={view.key_width} features, hash {view.key_hash:016x}"

@@ -72,11 +72,11 @@ class PatchEditor(QWidget):
         scroll.setWidget(content)
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QScrollArea.NoFrame)
-        # Never sideways: the panel (and so its dock) is at least as wide as the form's narrowest layout, the
-        # INSERT's Cancel button and progress included (they keep their place while hidden).
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        scroll.setMinimumWidth(content.minimumSizeHint().width()
-                               + scroll.style().pixelMetric(QStyle.PM_ScrollBarExtent) + 2)
+        # The width at which the form never scrolls sideways, the INSERT's Cancel button included (it keeps its
+        # place while hidden): the window docks the panel at least this wide. Not a minimum: a small window may
+        # still squeeze the panel, and then it scrolls rather than clips.
+        self.fitting_width = (content.minimumSizeHint().width()
+                              + scroll.style().pixelMetric(QStyle.PM_ScrollBarExtent) + 2 * scroll.frameWidth() + 2)
         self.scroll = scroll
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)

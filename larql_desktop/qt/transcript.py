@@ -20,6 +20,9 @@ class Turn:
     done: bool = False          # a reply that has ended (streamed to its end here, or restored from disk)
     interrupted: bool = False   # restored from a reply the app never finished writing
     tokens: list = field(default_factory=list)   # TokenEvents of a reply generated in this run (token view)
+    # Token index -> the layers where an INSERTed feature fired in its pass (from the reply's analysis; empty
+    # until the reply map has been computed for it).
+    fired: dict = field(default_factory=dict)
 
     @property
     def footer(self) -> str | None:
