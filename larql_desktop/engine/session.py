@@ -128,6 +128,7 @@ class ChatSession:
             common += 1
         common = min(common, len(ids) - 1)    # at least one position runs: its logits start the reply
         exact = min(self.exact_length, common)
+        exact -= exact % self.prefill_chunk   # whole chunks only: a cut one was computed beside other tokens
         namespace = self.kv_namespace(ffn) if self.kv_namespace is not None and self.prefix_cache is not None \
             else None
         self.reused_tokens = 0
