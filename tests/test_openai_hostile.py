@@ -122,7 +122,7 @@ def test_a_body_larger_than_the_context_can_use_is_refused_before_it_is_parsed(s
         r = http.post("/v1/chat/completions", content=big.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
         # Text longer than the context could hold, in a body under the limit: refused from its length, untokenised.
-        long_text = "x" * (smollm2.context_limit * smollm2.tokenizer.max_piece_bytes + 1)
+        long_text = "x" * (smollm2.context_limit * smollm2.tokenizer.max_piece_chars + 1)
         r = http.post("/v1/completions", json={"model": "smollm2", "prompt": long_text})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         assert r.json()["error"]["param"] == "prompt" and "context holds" in r.json()["error"]["message"]
@@ -134,7 +134,7 @@ def test_while_a_large_body_is_tokenised_the_other_routes_and_streams_carry_on(s
     engine, handle = served
     preparation = handle.server.config.app.state.preparation
     tokenising, release = threading.Event(), threading.Event()
-    big_words = smollm2.context_limit * smollm2.tokenizer.max_piece_bytes // 6    # as long as can be tokenised
+    big_words = smollm2.context_limit * smollm2.tokenizer.max_piece_chars // 6    # as long as can be tokenised
     big = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "word " * big_words}]})
 
     def hold(stage: str) -> None:

@@ -314,3 +314,21 @@ def test_the_escape_survives_any_text(smol):
         assert smol.decode(ids, special=True) == render_chat(template, messages), text
         assert ids.count(1) == 3, text
     assert smol.escape_specials("no markers here") == "no markers here"
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_a_text_too_long_for_the_context_is_refused_from_its_length(tokenizers, name):
+    from larql_desktop.engine.formats.tokenizer import TextTooLong
+
+    tk = tokenizers[name]
+    # The bound is safe: no text takes fewer tokens than its length over the longest piece...
+    longest = max(range(tk.vocab_size), key=lambda i: len(tk.piece_bytes(i, special=True).decode("utf-8", "replace")))
+    for text in TRICKY + [tk.decode([longest], special=True) * 50]:
+        assert len(text) <= len(tk.encode(text, add_bos=False)) * tk.max_piece_chars, text
+    # ...so a text longer than that for the limit is refused before it is tokenised, and one at it is not.
+    limit = 100
+    assert len(tk.encode("a" * (limit * tk.max_piece_chars), max_tokens=limit)) > 0
+    with pytest.raises(TextTooLong, match=f"context holds {limit}"):
+        tk.encode("a" * (limit * tk.max_piece_chars + 1), max_tokens=limit)
+    with pytest.raises(TextTooLong, match=f"context holds {limit}"):
+        tk.encode_template("a" * (limit * tk.max_piece_chars + 1), max_tokens=limit)

@@ -154,6 +154,7 @@ class Tokenizer:
                                  "escaped from")
         self._piece_cache: dict[tuple[int, bool], bytes] = {}
         self._max_piece_bytes: int | None = None
+        self._max_piece_chars: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -224,11 +225,20 @@ class Tokenizer:
             self._max_piece_bytes = max(1, max(len(self.piece_bytes(i, special=True)) for i in range(self.vocab_size)))
         return self._max_piece_bytes
 
+    @property
+    def max_piece_chars(self) -> int:
+        """The most characters one token's text can start (its bytes decoded, an incomplete sequence counting
+        once per byte): a text of n characters takes at least n / max_piece_chars tokens."""
+        if self._max_piece_chars is None:
+            self._max_piece_chars = max(1, max(len(self.piece_bytes(i, special=True).decode("utf-8", "replace"))
+                                               for i in range(self.vocab_size)))
+        return self._max_piece_chars
+
     def _check_fits(self, text: str, max_tokens: int | None) -> None:
-        # Each token stands for at most max_piece_bytes bytes, so at least one character per max_piece_bytes:
-        # a text longer than that cannot fit, and is refused without the cost of tokenising it.
-        if max_tokens is not None and len(text) > max_tokens * self.max_piece_bytes:
-            raise TextTooLong(f"the prompt is at least {-(-len(text) // self.max_piece_bytes)} tokens (it has "
+        # A text longer than max_tokens of the longest pieces cannot fit: refused without the cost of tokenising
+        # it (seconds for a few hundred thousand characters, on a thread the other requests share the GIL with).
+        if max_tokens is not None and len(text) > max_tokens * self.max_piece_chars:
+            raise TextTooLong(f"the prompt is at least {-(-len(text) // self.max_piece_chars)} tokens (it has "
                               f"{len(text)} characters) but the context holds {max_tokens}")
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False,
