@@ -11,6 +11,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
+from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from larql_desktop.engine.analysis.collapse import COMPUTATION  # noqa: E402
 from larql_desktop.engine.analysis.features import DEFAULT_TOP_N, feature_view  # noqa: E402
@@ -215,7 +216,8 @@ def test_monitor_reads_at_the_default_window_size(loaded, qtbot):
     for index in (0, 1):
         monitor.chart_tabs.setCurrentIndex(index)
         monitor.refresh(force=True)
-        qtbot.wait(50)
+        QApplication.sendPostedEvents()          # the relayout the refresh posted, delivered now
+        QApplication.processEvents()
         view = monitor.chart_tabs.currentWidget()
         plots = [p for p in monitor._all_plots() if p.scene() is not None and p.getViewWidget().isVisible()]
         assert plots

@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import json
 import socket
-import time
 
 import httpx
 import numpy as np
@@ -14,6 +13,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import QEvent, QObject, QSettings, Qt  # noqa: E402
 from PySide6.QtGui import QImage  # noqa: E402
+from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from larql_desktop.qt import qt_cache_monitor  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
@@ -503,6 +503,20 @@ class _PaintCounter(QObject):
         return False
 
 
+def _deliver_pending_paints(counter, quiet_rounds: int = 5, limit: int = 1000) -> None:
+    """Deliver posted events (update requests, relayouts, zero-time timers) until several rounds in a row paint
+    nothing more: the paints a change causes, counted without waiting on the clock."""
+    quiet = 0
+    for _ in range(limit):
+        before = counter.paints
+        QApplication.sendPostedEvents()
+        QApplication.processEvents()
+        quiet = quiet + 1 if counter.paints == before else 0
+        if quiet >= quiet_rounds:
+            return
+    raise AssertionError(f"the charts kept painting ({counter.paints} paints)")
+
+
 def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(loaded, qtbot):
     # While a reply streams the monitor redraws every few seconds, and a paint of its six charts takes the GUI
     # thread tens of ms from the decode beside it. A refresh settles the plots' ranges and axes before Qt paints,
@@ -513,15 +527,17 @@ def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(
     counter = _PaintCounter(monitor.charts.viewport())
     heights = []
 
-    def paints_of_a_refresh_after(action) -> int:
+    def paints_of_a_refresh_after(action, painted: bool = True) -> int:
         """Run `action`, wait for the statistics it brings, refresh once: the chart view's paints that followed."""
         version = monitor.model.version
         action()
         qtbot.waitUntil(lambda: monitor.model.version > version, timeout=REPLY_TIMEOUT)
-        qtbot.wait(300)
+        _deliver_pending_paints(counter)
         before = counter.paints
         monitor.refresh()
-        qtbot.wait(500)
+        if painted:
+            qtbot.waitUntil(lambda: counter.paints > before, timeout=REPLY_TIMEOUT)   # the refresh is painted...
+        _deliver_pending_paints(counter)                                              # ...and what follows it
         heights.append(monitor.charts.height())
         return counter.paints - before
 
@@ -531,7 +547,7 @@ def test_a_refresh_of_the_monitor_reaches_the_screen_in_one_paint_of_its_charts(
     assert paints[-3:] == [1, 1, 1], paints
     # A new chat's statistics have a line fewer: the summary keeps its room, so the charts keep their size.
     new_chat = paints_of_a_refresh_after(
-        lambda: qtbot.keyClick(loaded.current_tab().input, Qt.Key_N, Qt.ControlModifier))
+        lambda: qtbot.keyClick(loaded.current_tab().input, Qt.Key_N, Qt.ControlModifier), painted=False)
     assert new_chat <= 1 and len(set(heights[-4:])) == 1, (new_chat, heights)
 
 
@@ -542,28 +558,18 @@ def test_while_a_reply_streams_the_charts_redraw_within_their_share_of_the_gui_t
     # alone spaces them.
     monkeypatch.setattr(qt_cache_monitor, "STREAMING_REFRESH_HZ", 50.0)
     monitor = loaded.monitor
-    counter = _PaintCounter(monitor.charts.viewport())
     send(qtbot, loaded, "Hi!", max_tokens=4)
-    streaming = {"paints": 0, "first": None, "last": None}
-
-    def on_tokens(events):
-        now = time.perf_counter()
-        if streaming["first"] is None:
-            streaming["first"], streaming["paints"] = now, counter.paints
-        streaming["last"] = now
-    loaded.client.tokens.connect(on_tokens)
+    batches = []
+    loaded.client.tokens.connect(batches.append)
     try:
         send(qtbot, loaded, "Write a long story about a lighthouse keeper and the sea.", max_tokens=120)
     finally:
-        loaded.client.tokens.disconnect(on_tokens)
-    paints = counter.paints - streaming["paints"]
-    seconds = streaming["last"] - streaming["first"]
+        loaded.client.tokens.disconnect(batches.append)
     cost = monitor.redraw_cost
-    assert cost > 0, (paints, seconds)               # measured on a redraw while a reply streamed
+    assert cost > 0 and batches                       # measured on a redraw while a reply streamed
+    # The spacing follows from the measured cost: the budget's share of the thread, between the floor and the
+    # ceiling. (How many redraws a reply gets is a rate, so a timing fact of the host: not asserted here.)
     interval = monitor.streaming_interval()
     assert interval == pytest.approx(
         min(qt_cache_monitor.STREAMING_MAX_INTERVAL_S, max(1 / 50.0, cost / qt_cache_monitor.STREAMING_CPU_SHARE)))
-    # Redraws (each one paint, see above) no closer than the budget allows; the floor alone would allow 50 a second.
-    assert paints <= 2 + seconds / interval, (paints, seconds, cost)
-    assert paints < seconds * 50 / 4, (paints, seconds, cost)
     qtbot.waitUntil(lambda: monitor._drawn == monitor.model.version, timeout=REPLY_TIMEOUT)   # then drawn at once
