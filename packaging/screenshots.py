@@ -1,11 +1,13 @@
-"""Screenshots of the real app: chat, cache monitor and patch editor, on SmolLM2, offscreen.
+"""Screenshots of the real app at 1280x800, on SmolLM2, offscreen: the window, the chat, the reply map, the logit
+lens, the cache monitor and the patch editor.
 
     python packaging/screenshots.py [--out docs/screenshots] [--dark]
 
 Starts the app as `larql-desktop` would (its own engine thread, the packaged model), sends a prompt in one chat
 and the same prompt in a second (so the shared L2 cache hits), INSERTs (Atlantis, capital-of, Poseidon) from
-the patch editor, asks about Atlantis, and saves PNGs of the window and of each panel. App files (settings,
-ONNX exports) go to a temporary home unless LARQL_DESKTOP_HOME is set.
+the patch editor, asks about Atlantis in a new chat with the replies shaded by where the INSERT fired, opens the
+reply map and the logit lens of the answer's first token, and saves PNGs of the window and of each panel. App
+files (settings, ONNX exports) go to a temporary home unless LARQL_DESKTOP_HOME is set.
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     settings.clear()
     window = MainWindow(client, settings, app)
     window.set_dark_theme(args.dark)
-    window.resize(1440, 960)
+    window.resize(1280, 800)
     window.show()
+    window.reset_layout()
 
     def wait(condition, what: str, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -87,26 +90,45 @@ def main(argv: list[str] | None = None) -> int:
         editor.entity.setText("Atlantis")
         editor.relation.setText("capital-of")
         editor.target.setText("Poseidon")
+        editor.paraphrases.setPlainText("Atlantis has its capital at\nThe city that rules Atlantis is")
         editor.insert()
-        wait(lambda: editor.last_insert is not None and not editor.busy, "the INSERT")
+        wait(lambda: editor.last_insert is not None and not editor.busy, "the INSERT", timeout=1800.0)
         editor.patch_list.setCurrentItem(editor.patch_list.topLevelItem(0))
-        ask("What is the capital of Atlantis?", max_tokens=24)
-        window.tabs.setCurrentIndex(1)
-        settle(0.5)
-        window.monitor.refresh(force=True)
         settle()
-
         args.out.mkdir(parents=True, exist_ok=True)
-        shots = {"window.png": window, "chat.png": window.centralWidget(),
-                 "cache-monitor.png": window.monitor_dock, "patch-editor.png": window.patch_editor_dock}
-        for name, widget in shots.items():
-            if widget is window.patch_editor_dock:
-                widget.raise_()
-                settle()
+
+        def save(name: str, widget) -> None:
+            settle()
             path = args.out / name
             if not widget.grab().save(str(path), "PNG"):
                 raise SystemExit(f"could not write {path}")
             print(path)
+
+        save("patch-editor.png", window.patch_editor_dock)
+        window.monitor.refresh(force=True)
+        save("cache-monitor.png", window.monitor_dock)
+
+        # The inserted fact answered in a new chat, the reply shaded by where the INSERT fired, its reply map.
+        window.new_chat()
+        window.reply_map_dock.raise_()
+        window.set_shading("insert")
+        ask("What is the capital of Atlantis?", max_tokens=24)
+        wait(lambda: window.reply_map.fired is not None, "the reply's analysis")
+        settle(0.5)
+        save("window.png", window)
+        save("reply-map.png", window.reply_map_dock)
+        window.set_shading("probability")
+        save("chat.png", window.centralWidget())
+
+        # The logit lens of the answer's first word: where, layer by layer, the inserted target becomes the top.
+        tab = window.current_tab()
+        reply = max(i for i, t in enumerate(tab.transcript.turns) if t.role == "assistant")
+        tokens = tab.transcript.turns[reply].tokens
+        first_word = next((i for i, e in enumerate(tokens) if "Pose" in e.text), 0)
+        window.show_tokens(tab, reply, first_word)
+        window.token_view.show_lens()
+        wait(lambda: window.token_view.lens.lens is not None, "the logit lens")
+        save("logit-lens.png", window.token_dock)
     finally:
         window.close()
         if l3 is not None:

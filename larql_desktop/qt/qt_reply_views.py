@@ -320,6 +320,8 @@ class LensTable(QWidget):
                                     f"{layer.layer}")
                 self.table.setItem(r, c, item)
         first_top = next((layer.layer for layer in lens.layers if layer.chosen_rank == 1), None)
+        if first_top is not None:   # where the choice is written: in view
+            self.table.scrollToItem(self.table.item(first_top, 0), self.table.ScrollHint.PositionAtCenter)
         self.status.setText(f"“{visible(lens.chosen_text)}” at position {lens.position}: "
                             + (f"first the top prediction after layer {first_top}." if first_top is not None
                                else "the top prediction at no layer (it was sampled below the top)."))

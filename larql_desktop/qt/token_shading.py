@@ -61,7 +61,7 @@ def legend(measure: str) -> tuple[tuple[str, str], ...]:
     if measure == CACHE:
         return tuple((c, label) for _, c, label in CACHE_BINS)
     if measure == INSERT:
-        return (FIRED, ("#ffffff", "none fired (open the reply map to compute)"))
+        return (FIRED, ("#ffffff", "no INSERT fired"))
     return ()
 
 
