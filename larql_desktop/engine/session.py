@@ -142,7 +142,8 @@ class ChatSession:
         del self.history[common:]
         self._prompt_logits = None
         recorder = self.outcomes
-        recorder.attach(ffn)
+        if isinstance(ffn, WalkFfn):
+            ffn.add_observer(recorder)
         logits = None
         for start, stop in prefill_chunks(common, len(ids), self.prefill_chunk):
             recorder.start()
