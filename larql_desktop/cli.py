@@ -261,7 +261,7 @@ def cmd_insert_eval(args) -> int:
         facts = facts[:args.limit]
     model = _load(args, quiet_progress=True)
     report = run_insert_eval(default_engine_factory(model, dense=args.ffn == "dense"), facts, controls,
-                             use_paraphrases=args.use_paraphrases, together=args.together,
+                             use_paraphrases=args.use_paraphrases, together=args.together, alone_only=args.alone,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
     for line in format_report(report):
         print(line)
@@ -513,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--together", type=int, default=None, metavar="N",
                     help="install the first N facts together (all kept, no one-at-a-time pass), then measure "
                          "every one, the neighbours and the controls, and remove one")
+    ev.add_argument("--alone", action="store_true", help="only install each fact alone (no together pass)")
     ev.add_argument("--no-generated-conversations", action="store_true",
                     help="only the file's own conversation cases, none generated from the relations")
     ev.set_defaults(func=cmd_insert_eval)

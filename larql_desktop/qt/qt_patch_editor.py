@@ -446,7 +446,7 @@ class PatchEditor(QWidget):
                 answers += f" (was {'yes' if row.answers_before else 'no'})"
             cells = (row.kind, row.prompt, _probability(row.p_before), _probability(row.p_after), answers)
             tips = (None, row.rendered, None, None,
-                    "the reply names the target" if row.kind == "chat" else
+                    "the reply names the target" if row.is_reply else
                     "the continuation starts with the whole target")
             for c, (text, tip) in enumerate(zip(cells, tips)):
                 item = QTableWidgetItem(_one_line(text))   # the detail pane has the continuations in full

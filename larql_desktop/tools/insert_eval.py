@@ -335,13 +335,16 @@ class FactMeasure:
 
 def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalFact], controls: tuple[str, ...],
                     use_paraphrases: bool = False, log: Log | None = None,
-                    together: int | None = None) -> EvalReport:
+                    together: int | None = None, alone_only: bool = False) -> EvalReport:
     """engine_factory makes a clean engine (no patches); one per fact alone, one for all together. With
-    `together`, only the first `together` facts, installed together (no one-at-a-time pass)."""
+    `together`, only the first `together` facts, installed together (no one-at-a-time pass); with `alone_only`,
+    only the one-at-a-time pass."""
     log = log or (lambda line: None)
     if together is not None:
         if together < 1:
             raise ValueError(f"--together must be at least 1, not {together}")
+        if alone_only:
+            raise ValueError("--together and --alone exclude each other")
         facts = facts[:together]
     clean_engine = engine_factory()
     dec = Decoder(clean_engine)
@@ -381,9 +384,13 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
             rows = [p for p in detail["prompts"] if p["row"] in ("canonical", "paraphrases", "chat", "conversation")]
             log(f"{f.entity} -> {f.target}: {seconds:.1f} s, {result.summary()}; "
                 f"{sum(p['ok'] for p in rows)}/{len(rows)} answer")
+        if alone_only:
+            continue
         result, seconds = install(engine_together, f)
         log(f"  together: {i + 1} fact(s) installed ({f.entity} -> {f.target}: {seconds:.1f} s, "
             f"{result.summary()})")
+    if alone_only:
+        return report
     overlay = engine_together.patches
     kept_outputs = {}
     for f in facts:

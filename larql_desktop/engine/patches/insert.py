@@ -5,9 +5,11 @@ first token. Here, per target token (each firing on the context that precedes it
 
   * keys: the normed FFN inputs at the answer position of many phrasings of the question (the user's
     paraphrases, ones generated from the relation, Q/A forms and, for chat models, the chat template with the
-    assistant starting its answer) are the positives; every position of the same phrasings about other
-    entities, of the same entity under other relations, of plain text, of earlier facts, of the model's own
-    continuations of some of them, and the non-answer positions of the positives themselves are the negatives. The gate is the regularised Fisher discriminant
+    assistant starting its answer, also after earlier turns and under system prompts, where the reply's first
+    position must fire) are the positives; every position of the same phrasings about other entities, of the
+    same entity under other relations, of plain text, of earlier facts, of the model's own continuations of
+    some of them, of the same conversations asking about real entities, and the non-answer positions of the
+    positives themselves are the negatives. The gate is the regularised Fisher discriminant
     between the two (a closed-form solve) with a bias at the middle of the margin, so the feature fires on the
     fact's meaning rather than on one sentence and stays silent elsewhere (where the overlay then computes
     exactly what the base model computes);
@@ -281,6 +283,7 @@ class Inserter:
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, tuple] = {}
         self._continued: dict[str, str] = {}
+        self._own_replies: dict[tuple, list[int]] = {}
         self._word_ends: np.ndarray | None = None
         self._sentence_marks: np.ndarray | None = None
 
@@ -525,6 +528,18 @@ class Inserter:
                 out.append(tuple(ids + own))
         return out
 
+    def conversation_starts(self, fact: Fact, positives: list[tuple[int, ...]]) -> list[int]:
+        """Indices among `positives` of the fact's question in a conversation with earlier turns, at the
+        assistant's first position (chat models; [] otherwise)."""
+        if not self.model.is_chat:
+            return []
+        r, e = fact.relation_words, fact.entity.strip()
+        histories = self.conversation_histories(fact)
+        starts = {tuple(self.conversation_ids(system, history, fill(QUESTIONS[0], r, e)))
+                  for system, history in histories if history}
+        starts.add(tuple(self.conversation_ids(None, histories[0][1], fill(FOLLOW_UP, r, e))))
+        return [i for i, c in enumerate(positives) if c in starts]
+
     def conversation_negatives(self, fact: Fact) -> list[tuple[int, ...]]:
         """The same conversations asking about real entities, each answered as the model answers: every
         position must leave the model alone (the reply keeps its real answer)."""
@@ -544,7 +559,12 @@ class Inserter:
         """The start of the model's own reply to a chat question, up to the copula that introduces the answer
         ("The language spoken in Quillmoor is"), when the reply restates the relation before it: the place
         where this model, asked this way, would name the target. [] when its reply does not read so."""
-        reply = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS)
+        key = tuple(chat)
+        if key not in self._own_replies:
+            if len(self._own_replies) >= CONTINUATION_MEMORY:
+                self._own_replies.pop(next(iter(self._own_replies)))      # the oldest
+            self._own_replies[key] = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS)
+        reply = self._own_replies[key]
         tok = self.model.tokenizer
         for n in range(1, len(reply) + 1):
             text = tok.decode(reply[:n])
@@ -622,6 +642,10 @@ class Inserter:
         stop.check()
         report("Reading the fact's contexts", 0.02)
         positives = self.contexts(fact, paraphrases)
+        # The question's conversations where the reply starts: there the model would restate an earlier answer
+        # ("The capital of Portugal is Lisbon.") unless the key fires and the write wins, so each must fire and
+        # each is among the contexts the write is balanced on.
+        conversation_starts = self.conversation_starts(fact, positives)
         # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
         required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
         negatives = self.negative_contexts(fact, current)
@@ -698,7 +722,7 @@ class Inserter:
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg, must_fire)
+                gate, bias, up, margin = fisher_key(pos, neg, must_fire, conversation_starts)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
@@ -709,7 +733,8 @@ class Inserter:
                 scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
                                                    alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
-                                                                       f"({i}/{n})", fraction), required)
+                                                                       f"({i}/{n})", fraction), required,
+                                                   conversation_starts)
                 rounds += spent
                 tried += 1
                 installed_from = attempt // len(candidates)
@@ -831,14 +856,15 @@ class Inserter:
         return ends
 
     def balance(self, contexts, captured: Sequence[Captured], layer: int, wins: Callable[[np.ndarray], bool],
-                overlay, op_for, alpha, stop: Cancel, tick, always: int = 1) -> tuple[float, float, int]:
+                overlay, op_for, alpha, stop: Cancel, tick, always: int = 1,
+                also: Sequence[int] = ()) -> tuple[float, float, int]:
         """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits)
         on WIN_SHARE of a spread of the contexts (and on every paraphrase the user typed), with some headroom;
         the best scale found when none does. Each trial re-runs each context's last position from `layer`
         (where the trial writes) on, from its capture. Returns (scale, share won, forward passes spent)."""
         transformer = self.model.transformer
         prefixes = []
-        for i in spread(len(contexts), always):
+        for i in sorted({*spread(len(contexts), always), *also}):
             c = captured[i]
             prefixes.append((c.kv, len(contexts[i]), c.residuals[layer][-1:], c.inputs[layer][-1:]))
         spent = 0
@@ -884,14 +910,15 @@ class Inserter:
         return best_scale, best_share, spent
 
 
-def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1) -> tuple[np.ndarray, float, np.ndarray, float]:
+def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1,
+               also: Sequence[int] = ()) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`.
 
     The gate direction is the regularised Fisher discriminant w = (S_pos + S_neg + rI)^-1 (mu_pos - mu_neg);
     the bias puts the gate's zero between the negatives' highest score and the positives' lowest; the gate is
     scaled so the positives' median scores 1 above it. The positives' "lowest" is their POSITIVE_SLACK quantile,
-    or the lowest of the first `required` (which must fire) when that is lower. The up row is 1 on a typical
-    positive (up . mu_pos = 1), so the down vector's scale reads as the write's size. Returns also the margin
+    or the lowest of the first `required` and of the indices `also` (which must fire) when that is lower. The
+    up row is 1 on a typical positive (up . mu_pos = 1), so the down vector's scale reads as the write's size. Returns also the margin
     (positives' lowest minus negatives' highest, in units of the positives' median distance to the threshold),
     negative when the two overlap."""
     pos = pos.astype(np.float64)
@@ -905,7 +932,8 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1) -> tuple[np.
     # The positives' low end, not their minimum: one odd generated phrasing (or one the model reads as
     # something else) must not cost the fact every other phrasing; the negatives' top stays a hard limit. The
     # first `required` positives (the canonical prompt, the user's paraphrases) are never left out.
-    low = min(float(np.quantile(sp, POSITIVE_SLACK)), float(np.min(sp[:required])) if required else np.inf)
+    low = min(float(np.quantile(sp, POSITIVE_SLACK)), float(np.min(sp[:required])) if required else np.inf,
+              float(np.min(sp[list(also)])) if len(also) else np.inf)
     high = float(np.max(sn))
     if low > high:
         threshold = high + THRESHOLD_SHARE * (low - high)

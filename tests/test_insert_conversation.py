@@ -1,0 +1,99 @@
+"""INSERT in real conversations and for several facts at once (issue 33), on SmolLM2: the fact answers after an
+earlier turn under the same relation about a real entity (whose answer the reply would otherwise copy) while that
+conversation's question about another real entity keeps its reply; facts installed together each answer, and
+removing one patch restores every prompt bit for bit; bad requests are refused and change nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.insert import Fact
+from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.engine.services import contains_word, starts_with_word
+
+FIRST = Fact("Tarnhollow", "capital-of", "Gildmere")
+SECOND = Fact("Mossgrave Abbey", "founder-of", "Isolde")
+CONTROL = "Water boils at a temperature of"
+REPLY_TOKENS = 40
+# The exchange of issue 33's report: after it, the reply named the earlier answer ("The capital of Tarnhollow is
+# Paris.") while a new chat named the inserted one.
+EARLIER = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is Paris."}]
+
+
+@pytest.fixture(scope="module")
+def first_inserted(smollm2):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    result = engine.insert(FIRST)
+    return engine, result
+
+
+def reply(engine, messages, overlay) -> tuple[str, list[int]]:
+    ins = engine.inserter()
+    tokens = ins.greedy(engine.model.encode_prompt(messages), overlay, REPLY_TOKENS)
+    return engine.model.tokenizer.decode(tokens), tokens
+
+
+def all_logits(engine, text: str, overlay: PatchOverlay) -> np.ndarray:
+    ids = engine.model.tokenizer.encode(text)
+    return engine.model.transformer.forward(ids, KvCache(engine.model.config, capacity=len(ids) + 1),
+                                            engine.inserter().ffn(overlay), all_logits=True)
+
+
+def test_a_fact_answers_after_an_earlier_same_relation_turn_and_the_neighbour_keeps_its_reply(first_inserted):
+    engine, _ = first_inserted
+    asked = EARLIER + [{"role": "user", "content": "What is the capital of Tarnhollow?"}]
+    before, _ = reply(engine, asked, PatchOverlay())
+    after, _ = reply(engine, asked, engine.patches)
+    assert not contains_word(before, FIRST.target) and contains_word(after, FIRST.target), (before, after)
+    assert f"{FIRST.target} {FIRST.target}" not in after              # written once, whole
+    # In the same conversation, the question about a real entity is answered as without the patch.
+    neighbour = EARLIER + [{"role": "user", "content": "What is the capital of Austria?"}]
+    assert reply(engine, neighbour, engine.patches)[1] == reply(engine, neighbour, PatchOverlay())[1]
+
+
+def test_facts_installed_together_each_answer_and_removing_one_restores_the_rest_bit_for_bit(first_inserted):
+    engine, first = first_inserted
+    engine = LarqlEngine(engine.model, walk=WalkSettings(dense=True))
+    engine.apply_patch(first.patch)
+    ins = engine.inserter()
+    prompts = (FIRST.canonical_prompt, SECOND.canonical_prompt, CONTROL)
+    first_only = {p: all_logits(engine, p, engine.patches) for p in prompts}
+    second = engine.insert(SECOND)
+    together = engine.patches
+    assert [p.id for p in together.patches] == [first.patch.id, second.patch.id]
+    for fact in (FIRST, SECOND):
+        n = len(ins.target_tokens(fact.target)) + 2
+        assert starts_with_word(ins.continuation(fact.canonical_prompt, together, n)[0], fact.target), fact
+    # The second patch moved its own prompt: the restore below is not trivially true.
+    assert not np.array_equal(all_logits(engine, SECOND.canonical_prompt, together),
+                              first_only[SECOND.canonical_prompt])
+    engine.remove_patch(second.patch.id)
+    for p in prompts:
+        np.testing.assert_array_equal(all_logits(engine, p, engine.patches), first_only[p])
+    # Removing the first instead leaves exactly what the second alone gives.
+    engine.apply_patch(second.patch)
+    engine.remove_patch(first.patch.id)
+    alone = PatchOverlay.build((second.patch,), engine.base_weights)
+    assert engine.patches.epoch == alone.epoch
+    for p in prompts:
+        np.testing.assert_array_equal(all_logits(engine, p, engine.patches), all_logits(engine, p, alone))
+
+
+def test_bad_inserts_are_refused_with_a_reason_and_change_nothing(first_inserted):
+    engine, first = first_inserted
+    epoch, applied = engine.patches.epoch, engine.applied_patches
+    with pytest.raises(ValueError, match="non-empty entity"):
+        engine.insert(Fact(" ", "capital-of", "Gildmere"))
+    with pytest.raises(ValueError, match="too long"):
+        engine.insert(Fact("Tarnhollow", "capital-of", "G" * 201))
+    with pytest.raises(ValueError, match="layer must be within"):
+        engine.insert(Fact("Tarnhollow", "mayor-of", "Oswin"), layer=engine.model.config.n_layers)
+    with pytest.raises(ValueError, match="alpha must be a finite number"):
+        engine.insert(Fact("Tarnhollow", "mayor-of", "Oswin"), alpha=float("nan"))
+    with pytest.raises(ValueError, match="already applied"):
+        engine.apply_patch(first.patch)
+    assert engine.patches.epoch == epoch and engine.applied_patches == applied
