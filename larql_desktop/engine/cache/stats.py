@@ -130,8 +130,8 @@ class CacheStats:
             self._lat_timed = dict.fromkeys(OUTCOMES, 0)      # of which timed on their own
             self._lat_sum = dict.fromkeys(OUTCOMES, 0.0)
             self._lat_min = dict.fromkeys(OUTCOMES, float("inf"))
-            self._lat_recent = {o: deque(maxlen=1024) for o in OUTCOMES}
-            self._recent = deque(maxlen=self.RECENT)
+            self._lat_recent: dict[str, deque[float]] = {o: deque(maxlen=1024) for o in OUTCOMES}
+            self._recent: deque = deque(maxlen=self.RECENT)
             self._fid_n, self._fid_sum, self._fid_min, self._fid_maxabs, self._fid_stale = 0, 0.0, 1.0, 0.0, 0.0
             self._calls = 0
             self._lookups = 0

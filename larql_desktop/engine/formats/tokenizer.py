@@ -125,9 +125,8 @@ class Tokenizer:
             self.add_bos = True if add_bos is None else bool(add_bos)
             self.add_eos = False if add_eos is None else bool(add_eos)
             self.add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
-            if scores is None:
-                scores = np.zeros(n, dtype=np.float32)
-            self._scores: list[float] = np.asarray(scores, dtype=np.float32).astype(np.float64).tolist()
+            given = np.zeros(n, dtype=np.float32) if scores is None else np.asarray(scores, dtype=np.float32)
+            self._scores: list[float] = given.astype(np.float64).tolist()
             if len(self._scores) != n:
                 raise TokenizerError(f"scores has {len(self._scores)} entries for {n} tokens")
             self._byte_ids = [self._tok2id.get(f"<0x{b:02X}>") for b in range(256)]
@@ -143,8 +142,8 @@ class Tokenizer:
             raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', 'llama')")
 
         # Special tokens for tokenizer_st_partition: control, user-defined and unknown; longest (in bytes) first.
-        special = np.nonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED) | (types == TOKEN_UNKNOWN))[0]
-        special = sorted((int(i) for i in special), key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
+        marked = np.nonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED) | (types == TOKEN_UNKNOWN))[0]
+        special = sorted((int(i) for i in marked), key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
         self._special_all = [(self.tokens[i], i) for i in special if self.tokens[i]]
         self._special_user = [(t, i) for t, i in self._special_all if types[i] == TOKEN_USER_DEFINED]
         # The ones only `parse_special` splits out: what message text is escaped from (longest first, as above).
