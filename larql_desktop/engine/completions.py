@@ -6,7 +6,7 @@ worker counts a reply.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
 from larql_desktop.engine.core import LarqlEngine
@@ -58,7 +58,7 @@ class CompletionRun:
             engine.close_session(self.session)
             raise
         # The prompt runs in chunks, one per step, before the first token is sampled (no forward pass of its own).
-        self._prefill = self.session.prefill_steps(list(prompt_ids))
+        self._prefill: Generator[int, None, None] | None = self.session.prefill_steps(list(prompt_ids))
         self._pieces: list[str] = []        # text the session produced, before stop strings
         self.completion_tokens = 0
         self.finish_reason: str | None = None

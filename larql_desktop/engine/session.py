@@ -4,7 +4,7 @@ Above the cache and the loader: the engine core makes one per chat tab and per A
 from __future__ import annotations
 
 import time
-from typing import Callable, Generator, Hashable, Iterator, Sequence
+from typing import Callable, Generator, Hashable, Sequence
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class ChatSession:
         # starts from exactly the same state (re-running the last prompt token alone would differ from the
         # batched prefill by rounding).
         # The prompt's ids, logits, per-layer outcomes and the FFN's pass_end(): a regenerate starts from them.
-        self._prompt_logits: tuple[tuple[int, ...], np.ndarray, tuple[LayerOutcome, ...], object] | None = None
+        self._prompt_logits: tuple[tuple[int, ...], np.ndarray | None, tuple[LayerOutcome, ...], object] | None = None
         self.outcomes = OutcomeRecorder()   # per-layer outcomes of each forward pass, for the token view
 
     def reset(self) -> None:
@@ -103,6 +103,7 @@ class ChatSession:
                 self.exact_length = min(self.exact_length, len(ids))
                 if isinstance(self.ffn, PassAwareFfn):   # the steps follow the prompt's pass again
                     self.ffn.continue_after(saved[3])
+            assert saved is not None and saved[1] is not None   # prefill_steps always leaves the prompt's logits
             logits, layers = saved[1], saved[2]
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
@@ -114,7 +115,7 @@ class ChatSession:
         finally:
             self.messages[-1]["content"] = "".join(reply) + decoder.flush()
 
-    def prefill_steps(self, ids: list[int]) -> Iterator[int]:
+    def prefill_steps(self, ids: list[int]) -> Generator[int, None, None]:
         """Run the prompt `ids` into the KV cache, one chunk of at most `prefill_chunk` positions per `next()`
         (a server interleaves other requests' steps between them), yielding the positions still to run (0 after the
         last chunk); a reply to `ids` then starts from its logits without running anything. Reuses the KV cache's
@@ -129,11 +130,11 @@ class ChatSession:
         common = min(common, len(ids) - 1)    # at least one position runs: its logits start the reply
         exact = min(self.exact_length, common)
         exact -= exact % self.prefill_chunk   # whole chunks only: a cut one was computed beside other tokens
-        namespace = self.kv_namespace(ffn) if self.kv_namespace is not None and self.prefix_cache is not None \
-            else None
+        prefix_cache = self.prefix_cache
+        namespace = self.kv_namespace(ffn) if self.kv_namespace is not None and prefix_cache is not None else None
         self.reused_tokens = 0
-        if namespace is not None:
-            hit = self.prefix_cache.longest(namespace, ids, self.prefill_chunk)
+        if namespace is not None and prefix_cache is not None:
+            hit = prefix_cache.longest(namespace, ids, self.prefill_chunk)
             if hit is not None and hit.length > common:
                 hit.copy_into(self.kv)
                 self.history[:] = ids[:hit.length]
@@ -159,8 +160,8 @@ class ChatSession:
         self._prefill_ran = len(ids) - common
         self._prompt_logits = (tuple(ids), logits, layers,
                                ffn.pass_end() if isinstance(ffn, PassAwareFfn) else None)
-        if namespace is not None and self.exact_length > common:
-            self.prefix_cache.store(namespace, ids[:self.exact_length], self.kv)
+        if namespace is not None and prefix_cache is not None and self.exact_length > common:
+            prefix_cache.store(namespace, ids[:self.exact_length], self.kv)
         yield 0
 
     def _token_text(self, token_id: int) -> str:

@@ -116,7 +116,7 @@ class PrefixCache:
                 n -= n % chunk
                 if n > best_len:
                     best, best_key, best_len = entry, key, n
-            if best is None:
+            if best is None or best_key is None:
                 return None
             self._entries.move_to_end(best_key)
             self._hits += 1
