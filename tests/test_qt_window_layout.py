@@ -10,14 +10,16 @@ pytest.importorskip("pytestqt")
 openai = pytest.importorskip("openai")
 
 from PySide6.QtCore import QSettings, Qt  # noqa: E402
-from PySide6.QtWidgets import QAbstractScrollArea, QDockWidget  # noqa: E402
+from PySide6.QtGui import QImage  # noqa: E402
+from PySide6.QtWidgets import QAbstractScrollArea, QDockWidget, QTabBar  # noqa: E402
 
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
+from larql_desktop.qt.qt_cache_monitor import MIN_TIME_SPAN_S  # noqa: E402
 from larql_desktop.qt.protocol import FactProbed, InsertCancelled, InsertProgress, ProbeFact  # noqa: E402
 from larql_desktop.qt.qt_patch_editor import FACT_PROBE_COLUMNS, header_text_width  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
-from test_qt_app import REPLY_TIMEOUT, loaded, settings_file, window  # noqa: E402,F401
+from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 from test_qt_panels import wait_for_stats  # noqa: E402
 
 SIZES = ((1280, 800), (1920, 1080))
@@ -134,3 +136,52 @@ def test_an_openai_request_through_the_apps_server_refreshes_the_monitor(loaded,
     # The window sat idle: only the engine's activity event can have asked for this snapshot.
     event = wait_for_stats(qtbot, win, lambda e: e.process.calls > idle_calls)
     assert event.process.calls == win.client.worker.engine.snapshot().calls
+
+
+MIN_CHART_WIDTH = 250   # px: the six live charts at 1280x800 (beside the settings column they were ~160)
+
+
+def test_at_1280x800_the_monitor_charts_have_the_docks_width_and_its_settings_a_tab(loaded, qtbot, tmp_path):
+    win, monitor = loaded, loaded.monitor
+    win.resize(1280, 800)
+    win.reset_layout()
+    qtbot.waitUntil(lambda: (win.width(), win.height()) == (1280, 800))
+    send(qtbot, win, "Hi!", max_tokens=4)                    # one short reply: the case whose axis read 14.6..15.2
+    wait_for_stats(qtbot, win, lambda e: e.process.calls > 0)
+    monitor.chart_tabs.setCurrentWidget(monitor.charts)
+    monitor.refresh(force=True)
+    win.app.processEvents()
+    live = (monitor.hit_plot, monitor.latency_plot, monitor.fidelity_plot, monitor.layer_plot,
+            monitor.entries_plot, monitor.memory_plot)
+    widths = [round(plot.boundingRect().width()) for plot in live]
+    assert min(widths) >= MIN_CHART_WIDTH, widths
+    # The time axis: seconds since the model loaded, at least MIN_TIME_SPAN_S wide, ticks on whole seconds, and
+    # the three time charts share it.
+    lo, hi = monitor.hit_plot.vb.viewRange()[0]
+    assert hi - lo >= MIN_TIME_SPAN_S and lo <= monitor.model.hit_rate.t[0] and hi >= monitor.model.hit_rate.t[-1]
+    for plot in live[1:3]:
+        assert plot.vb.viewRange()[0] == pytest.approx([lo, hi])
+    axis = monitor.hit_plot.getAxis("bottom")
+    ticks = [v for _, values in axis.tickValues(lo, hi, axis.width()) for v in values]
+    assert ticks and all(float(v).is_integer() for v in ticks), ticks
+
+    # The settings and actions: a tab of the monitor, reached by its tab, whole and working.
+    tab_bar = monitor.chart_tabs.findChild(QTabBar)
+    settings_tab = monitor.chart_tabs.indexOf(monitor.settings_page)
+    qtbot.mouseClick(tab_bar, Qt.LeftButton, pos=tab_bar.tabRect(settings_tab).center())
+    assert monitor.chart_tabs.currentWidget() is monitor.settings_page
+    win.app.processEvents()
+    for widget in (monitor.dense, monitor.top_k, monitor.key_width, monitor.guard, monitor.verify,
+                   monitor.near_fraction, monitor.near_tau, monitor.l1.capacity, monitor.l2.policy,
+                   monitor.apply_button, monitor.reset_button, monitor.clear_button, monitor.export_stats_button,
+                   monitor.export_charts_button):
+        assert widget.isVisible() and widget.isEnabled(), widget.accessibleName()
+    assert not monitor.controls_area.horizontalScrollBar().isVisible()
+    monitor.verify.setValue(0.25)
+    qtbot.mouseClick(monitor.apply_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: win.client.worker.engine.walk_settings.verify_fraction == 0.25, timeout=REPLY_TIMEOUT)
+    # "Export charts" from the settings tab saves the chart view shown last (the live charts), not the form.
+    image = QImage(str(monitor.export_charts(tmp_path / "charts.png")))
+    assert monitor.chart_view is monitor.charts
+    assert image.convertToFormat(QImage.Format_RGB32) == monitor.charts.grab().toImage().convertToFormat(
+        QImage.Format_RGB32)

@@ -1,4 +1,4 @@
-"""The cache monitor: live charts of the FFN cache and the controls that change it.
+"""The cache monitor: live charts of the FFN cache and, in a tab of their own, the controls that change it.
 
 Stats events only update the MonitorModel; a QTimer copies the model into plot items created once
 (`setData`/`setOpts`) at REFRESH_HZ, and only when something changed and the panel is visible.
@@ -53,6 +53,11 @@ BAR_KEYS = {**TIER_COLOURS, "miss": "#d62728", "bypass": "#9467bd"}
 NEAR_COLOURS = {"hits": "#2ca02c", "cosine": "#3a7bd5", "overlap": "#e8871e", "served": "#9467bd",
                 "K/F": "#7f7f7f"}
 PATCHED_COLOUR = (255, 200, 0, 70)
+# The time charts' x axis: seconds since the model loaded, at least this span (a 7-token reply alone filled the
+# axis, which then read "14.6 14.8 15.0 15.2"), at most the last MAX_TIME_SPAN_S (older points scroll out).
+MIN_TIME_SPAN_S = 30.0
+MAX_TIME_SPAN_S = 600.0
+TIME_AXIS_LABEL = "s since the model loaded"
 
 
 def _settings_value(store: QSettings, key: str, kind, default):
@@ -93,7 +98,8 @@ class TierControls:
 
 
 class CacheMonitor(QWidget):
-    """Charts (left) and controls (right). `model` holds the data the charts show."""
+    """Chart views in tabs, the last tab the settings and actions; the summary under them. `model` holds the
+    data the charts show."""
 
     error = Signal(str)   # a message for the window's error banner
 
@@ -106,18 +112,24 @@ class CacheMonitor(QWidget):
         self._redraw_cpu_from: float | None = None   # the GUI thread's CPU time when a streaming redraw began
         self.redraw_cost = 0.0                       # the last streaming redraw's, in CPU seconds
         self._last_dir = str(Path.home())
+        self._time_range: tuple[float, float] | None = None   # the time charts' x range, last set
         self._build_charts()
         self._build_controls()
-        layout = QHBoxLayout(self)
+        # The settings and actions are a tab beside the chart views: as a column beside the charts they took a
+        # third of the dock, and at 1280x800 each of the six charts was ~160 px wide.
+        self.settings_page = QWidget()
+        self.settings_page.setAccessibleName("Cache settings and actions")
+        page = QVBoxLayout(self.settings_page)
+        page.setContentsMargins(0, 4, 0, 0)
+        page.addWidget(self.controls_area, 1)
+        page.addWidget(self.buttons)
+        self.chart_tabs.addTab(self.settings_page, "Settings")
+        self.chart_view = self.charts   # the chart view shown last: what "Export charts" saves
+        self.chart_tabs.currentChanged.connect(self._on_tab_change)
+        layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
-        left = QVBoxLayout()
-        left.addWidget(self.chart_tabs, 1)
-        left.addWidget(self.summary)
-        layout.addLayout(left, 1)
-        right = QVBoxLayout()
-        right.addWidget(self.controls_area, 1)
-        right.addWidget(self.buttons)
-        layout.addLayout(right)
+        layout.addWidget(self.chart_tabs, 1)
+        layout.addWidget(self.summary)
         client.stats.connect(self._on_stats)
         client.model_loaded.connect(self._on_model_loaded)
         client.busy_changed.connect(self._update_enabled)
@@ -199,20 +211,24 @@ class CacheMonitor(QWidget):
         # With the view tabs above them the charts keep the panel's minimum height as it was without tabs.
         self.charts.setMinimumSize(240, 72)
         self.charts.ci.setSpacing(4)
-        self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", "s", TIER_COLOURS)
+        self.hit_plot = self._plot(0, 0, "Hit rate", "hit rate", TIME_AXIS_LABEL, TIER_COLOURS)
         self.hit_plot.setYRange(0, 1.15, padding=0)
         self.hit_lines = {t: self._line(self.hit_plot, t, TIER_COLOURS[t]) for t in CHART_TIERS}
-        self.latency_plot = self._plot(0, 1, "FFN latency (median)", "µs", "s", OUTCOME_COLOURS)
+        self.latency_plot = self._plot(0, 1, "FFN latency (median)", "µs", TIME_AXIS_LABEL, OUTCOME_COLOURS)
         self.latency_plot.setLogMode(y=True)   # hits take tens of µs, prefill calls tens of ms
         # Decades only (pyqtgraph's minor log labels pile up in a plot this small).
         self.latency_plot.getAxis("left").setTicks(
             [[(k, f"{10 ** k:,.0f}") for k in range(0, 8)], []])
         self.latency_lines = {o: self._line(self.latency_plot, o, OUTCOME_COLOURS.get(o, "#7f7f7f"))
                               for o in OUTCOMES}
-        self.fidelity_plot = self._plot(0, 2, "Hit fidelity (verify)", "cosine", "s",
+        self.fidelity_plot = self._plot(0, 2, "Hit fidelity (verify)", "cosine", TIME_AXIS_LABEL,
                                         {"mean": "#2ca02c", "min": "#d62728"})
         self.fidelity_lines = {"mean_cosine": self._line(self.fidelity_plot, "mean", "#2ca02c"),
                                "min_cosine": self._line(self.fidelity_plot, "min", "#d62728", 1)}
+        # One time range for the three time charts (refresh sets it on the hit rate's).
+        for plot in (self.latency_plot, self.fidelity_plot):
+            plot.setXLink(self.hit_plot)
+        self._set_time_range(np.zeros(0))
         self.layer_plot = self._plot(1, 0, "Calls per layer", "calls", "layer", BAR_KEYS)
         # Patched layers: a shaded column behind their bars, drawn first so the counts stay on top.
         self.patched_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.95,
@@ -237,7 +253,6 @@ class CacheMonitor(QWidget):
         self.collapse_lab = CollapseLab(self.client)
         self.collapse_lab.error.connect(self.error)
         self.chart_tabs.addTab(self.collapse_lab, "Collapse lab")
-        self.chart_tabs.currentChanged.connect(lambda _: self.refresh(force=True))
         self.summary = QLabel("No statistics yet: load a model and send a prompt.")
         self.summary.setWordWrap(True)
         self.summary.setTextInteractionFlags(Qt.TextSelectableByMouse)
@@ -379,30 +394,31 @@ class CacheMonitor(QWidget):
         grid.addWidget(QLabel("Size cap"), 5, 0)
         grid.addWidget(self.l3_max_mb, 5, 1, 1, 2)
         grid.addWidget(self.l3_where, 6, 0, 1, 3)
+        # Two rows of three: a column of six would raise the dock's (and so the window's) minimum height.
         buttons = QGridLayout()
         for i, button in enumerate((self.apply_button, self.reset_button, self.clear_button, self.clear_l3_button,
                                     self.export_stats_button, self.export_charts_button)):
-            buttons.addWidget(button, i // 2, i % 2)
+            buttons.addWidget(button, i // 3, i % 3)
+        # The walk and the tiers side by side: the tab has the dock's width, and its height is the charts'.
         box = QWidget()
-        column = QVBoxLayout(box)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.addWidget(walk)
-        column.addWidget(tiers)
-        column.addStretch(1)
+        row = QHBoxLayout(box)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(walk, 0, Qt.AlignTop)
+        row.addWidget(tiers, 0, Qt.AlignTop)
+        row.addStretch(1)
         self.controls_area = QScrollArea()
         self.controls_area.setWidget(box)
         self.controls_area.setWidgetResizable(True)
         self.controls_area.setFrameShape(QScrollArea.NoFrame)
-        self.controls_area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.controls_area.setFixedWidth(box.sizeHint().width()
-                                         + self.controls_area.verticalScrollBar().sizeHint().width() + 4)
-        self.controls_area.setSizePolicy(QSizePolicy.Fixed, QSizePolicy.Expanding)
         self.controls_area.setAccessibleName("Cache settings")
+        # The settings scroll: their tab (with the actions under them) is then no taller at its smallest than the
+        # near-miss charts, and the window's minimum height stays as it was with the settings beside the charts.
+        self.controls_area.setMinimumHeight(32)
         # The actions stay in view under the (scrolling) settings.
         self.buttons = QWidget()
         self.buttons.setLayout(buttons)
         buttons.setContentsMargins(0, 0, 0, 0)
-        self.buttons.setFixedWidth(self.controls_area.width())
+        self.buttons.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
 
     # --- settings ---
 
@@ -507,10 +523,10 @@ class CacheMonitor(QWidget):
         return path
 
     def export_charts(self, path: str | Path) -> Path:
-        """A PNG of the charts view shown (pyqtgraph's SVG export is broken on Qt 6.11+)."""
+        """A PNG of the chart view shown last (pyqtgraph's SVG export is broken on Qt 6.11+)."""
         self.refresh(force=True)
         path = Path(path)
-        if not self.chart_tabs.currentWidget().grab().save(str(path), "PNG"):
+        if not self.chart_view.grab().save(str(path), "PNG"):
             raise OSError(f"could not write {path}")
         return path
 
@@ -539,6 +555,12 @@ class CacheMonitor(QWidget):
                 self.error.emit(f"Exporting charts: {exc}")
 
     # --- updates ---
+
+    @Slot(int)
+    def _on_tab_change(self, index: int) -> None:
+        if self.chart_tabs.widget(index) is not self.settings_page:
+            self.chart_view = self.chart_tabs.widget(index)
+        self.refresh(force=True)
 
     @Slot(object)
     def _on_model_loaded(self, info: ModelInfo) -> None:
@@ -625,6 +647,7 @@ class CacheMonitor(QWidget):
                     line.setData(history.t, y)
                 elif line.xData is not None and len(line.xData):
                     line.setData([], [])   # an all-NaN series makes pyqtgraph warn about its bounds
+        self._set_time_range(m.hit_rate.t)
         lowest = m.fidelity.column("min_cosine")
         lowest = float(np.nanmin(lowest)) if np.isfinite(lowest).any() else 1.0
         self.fidelity_plot.setYRange(min(0.99, lowest - 0.005), 1.004, padding=0)
@@ -648,6 +671,15 @@ class CacheMonitor(QWidget):
         # paint; settled here, the changes of this refresh reach the screen in one paint of each view.
         for view in (self.charts, self.near_charts):
             view.scene().prepareForPaint()
+
+    def _set_time_range(self, t: np.ndarray) -> None:
+        """Seconds since the model loaded, from 0 (or the last MAX_TIME_SPAN_S) to the newest point: at least
+        MIN_TIME_SPAN_S wide, so the ticks are whole seconds even for one short reply."""
+        end = max(float(t[-1]) if len(t) else 0.0, MIN_TIME_SPAN_S)
+        shown = (max(0.0, end - MAX_TIME_SPAN_S), end)
+        if self._time_range != shown:   # an unchanged range is not set again (a relayout)
+            self._time_range = shown
+            self.hit_plot.setXRange(*shown, padding=0.02)
 
     def _random_overlap(self, event: CacheStatsEvent) -> float | None:
         info = self.client.model
