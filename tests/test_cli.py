@@ -190,7 +190,8 @@ def test_insert_save_validate_apply_and_chat_with_the_patch(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "probe after: 'The capital of Atlantis is Poseidon" in result.stdout
     probes = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert [row[0] for row in probes] == ["canonical", "paraphrase", "paraphrase", "chat"]
+    # The chat question is asked fresh and once more after an earlier same-relation turn (the conversation row).
+    assert [row[0] for row in probes] == ["canonical", "paraphrase", "paraphrase", "chat", "conversation"]
     assert probes[0][4:7] == ["no", "->", "yes"] and float(probes[0][3]) > float(probes[0][1])
     assert "control unchanged: yes" in result.stdout
     assert "[100.0%] Inserted" in result.stderr          # progress reaches the end

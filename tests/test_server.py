@@ -255,7 +255,8 @@ def test_insert_route_installs_a_fact_and_answers_with_its_probe_table(served):
     rows = doc["probes"]
     assert [(p["kind"], p["prompt"]) for p in rows] == [
         ("canonical", "The capital of Atlantis is"), ("paraphrase", paraphrase),
-        ("chat", "What is the capital of Atlantis?")]
+        ("chat", "What is the capital of Atlantis?"),
+        ("conversation", "What is the capital of Atlantis?")]   # the same question after an earlier turn
     assert rows[2]["rendered"].endswith("assistant\n") and "<|im_start|>user" in rows[2]["rendered"]
     assert all(0 <= p["p_before"] <= 1 and 0 <= p["p_after"] <= 1 for p in rows)
     canonical = rows[0]
