@@ -93,7 +93,7 @@ def test_corrupt_block_file_is_rebuilt(smollm2, smollm2_graphs_copy):
 
 
 def _per_layer(model):
-    """The model's dense FFN as a plain callable (not a PassAwareFfn): forward then runs layer by layer."""
+    """The model's dense FFN as a plain callable (it brings no stepper): forward then runs layer by layer."""
     return lambda layer, x: model.ffn.dense(layer, x)
 
 
@@ -126,20 +126,20 @@ def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
 
     cfg = smollm2.config
     stats = CacheStats(cfg.n_layers)
-    dense = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None, (stats,))
-    assert dense.runs_plain_dense() and dense.runs_plain_dense()
+    dense = WalkFfn(smollm2.ffn, WalkSettings(dense=True), model_checksum=smollm2.checksum, observers=(stats,))
+    assert dense.stepper.runs_plain_dense() and dense.stepper.runs_plain_dense()
     assert stats.snapshot({}, {}).calls == 0       # asking records nothing
-    dense.record_dense_pass()
+    dense.stepper.record_dense_pass()
     snap = stats.snapshot({}, {})
     assert snap.latency["dense"].count == cfg.n_layers and snap.latency["dense"].mean_us == 0.0
-    walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), None, None, (stats,))
-    assert not walk.runs_plain_dense()
+    walk = WalkFfn(smollm2.ffn, WalkSettings(), model_checksum=smollm2.checksum, observers=(stats,))
+    assert not walk.stepper.runs_plain_dense()
     base = BaseFeatureWeights(smollm2.gguf)
     gate, up, down = base.vectors(3, 7)
     patch = Patch((PatchOperation("update", 3, 7, gate=gate * 2, up=up, down=down),), smollm2.name, smollm2.checksum)
-    patched = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(dense=True), None, None,
-                      (stats,), PatchOverlay.build([patch], base))
-    assert not patched.runs_plain_dense()
+    patched = WalkFfn(smollm2.ffn, WalkSettings(dense=True), model_checksum=smollm2.checksum, observers=(stats,),
+                      patches=PatchOverlay.build([patch], base))
+    assert not patched.stepper.runs_plain_dense()
     # And the model honours the answer: a patched dense pass differs from the plain one at the patched layer.
     ids = smollm2.tokenizer.encode("Seven")
     plain = smollm2.transformer.forward(ids, KvCache(cfg), dense)
@@ -234,14 +234,14 @@ def test_gated_layer_graph_hands_the_walk_its_gate_scores(smollm2):
 
     def walk(log):
         n = cfg.n_layers
-        return WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), CacheTier("L1", n), None,
-                       (CacheStats(n),), key_log=log)
+        return WalkFfn(smollm2.ffn, WalkSettings(), model_checksum=smollm2.checksum, l1=CacheTier("L1", n),
+                       observers=(CacheStats(n),), key_log=log)
 
     ids = smollm2.tokenizer.encode("The sky is")
     fused_log, plain_log = [], []
     fused, plain = walk(fused_log), walk(plain_log)
-    assert fused.takes_gate_scores
-    plain_call = lambda layer, x: plain(layer, x)       # noqa: E731  (no takes_gate_scores: scores computed)
+    assert fused.stepper.takes_gate_scores
+    plain_call = lambda layer, x: plain(layer, x)       # noqa: E731  (no stepper: scores computed)
     kv_a, kv_b = KvCache(cfg), KvCache(cfg)
     a, b = tr.forward(ids, kv_a, fused), tr.forward(ids, kv_b, plain_call)
     for _ in range(4):

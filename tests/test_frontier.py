@@ -19,7 +19,7 @@ PROMPT = "Name a large animal."
 def test_the_bound_serves_an_exact_repeat_and_reproduces_it(smollm2):
     cfg = smollm2.config
     walk = WalkSettings().resolved(cfg.intermediate)
-    oracle = NearestNeighbourFfn(WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, walk, None, None, ()),
+    oracle = NearestNeighbourFfn(WalkFfn(smollm2.ffn, walk, model_checksum=smollm2.checksum),
                                  cfg.n_layers, tau=0.9999)
     settings = SamplingSettings(max_tokens=6)
     first = [s.token_id for s in ChatSession(smollm2, oracle).reply(PROMPT, settings)]

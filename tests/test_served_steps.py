@@ -36,12 +36,12 @@ def test_a_repeated_generation_is_served_whole_and_bit_identical_to_the_cache_of
     engine = LarqlEngine(model)
     first, second = engine.new_session(), engine.new_session()
     tokens_1, logits_1 = run_sequence(model, first.ffn, ids, 10)
-    assert first.ffn.steps_served == 0           # nothing to follow yet: every step looked its layers up
+    assert first.ffn.stepper.steps_served == 0           # nothing to follow yet: every step looked its layers up
     tokens_2, logits_2 = run_sequence(model, second.ffn, ids, 10)
     assert tokens_1 == tokens_2 == tokens_off
     assert np.array_equal(logits_1, logits_off) and np.array_equal(logits_2, logits_off)
-    assert second.ffn.steps_served == 10 and second.ffn.steps_resumed == 0
-    assert second.ffn.steps_replayed == 10      # an exact repeat: every input was its entry's, no gate ran
+    assert second.ffn.stepper.steps_served == 10 and second.ffn.stepper.steps_resumed == 0
+    assert second.ffn.stepper.steps_replayed == 10      # an exact repeat: every input was its entry's, no gate ran
     n = model.config.n_layers
     snap = engine.session_snapshot(second)
     # Counted as the lookups would have been: L1 (empty in a new session) misses, L2 hits, L1 filled.
@@ -74,7 +74,7 @@ def _primed_plan(model, text: str, n_decode: int):
     session = engine.new_session()
     kv = KvCache(model.config)
     token = int(np.argmax(model.transformer.forward(ids, kv, session.ffn)[-1]))
-    step = session.ffn.plan_step(token)
+    step = session.ffn.stepper.plan_step(token)
     assert step is not None and step.replay
     return ids, engine, session, kv, token, step
 
@@ -98,7 +98,7 @@ def test_a_wrong_guess_is_computed_from_its_layer_on_and_changes_nothing(model):
     engine.l2.store(5, step.keys[5], forged)
     tokens, logits = _run_again(model, walk, ids, 4)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
-    assert walk.steps_resumed >= 1
+    assert walk.stepper.steps_resumed >= 1
     snap = engine.session_snapshot(session)
     assert snap.tiers["L2"].misses[5] >= 1          # the forged entry was looked up, refused, recomputed
 
@@ -137,16 +137,16 @@ def test_an_input_one_bit_off_its_entry_ends_the_replay_and_the_served_decoder_c
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
     # The first step replayed layers 0-6, looked layer 7 up (served under the hit rule) and went on layer by
     # layer; the next steps ran in the served decoder, whose keys come from the scores.
-    assert walk.steps_replayed == 0 and walk.steps_resumed == 1 and walk.steps_served == 4
+    assert walk.stepper.steps_replayed == 0 and walk.stepper.steps_resumed == 1 and walk.stepper.steps_served == 4
     assert engine.session_snapshot(session).tiers["L2"].hits[7] == 5
     # A new prompt expects replays again.
     tokens, logits = run_sequence(model, walk, ids, 5)
     assert tokens == tokens_off and np.array_equal(logits, logits_off)
-    assert walk.steps_replayed == 0 and walk.steps_resumed == 2      # the nudged entry is still in L2
+    assert walk.stepper.steps_replayed == 0 and walk.stepper.steps_resumed == 2      # the nudged entry is still in L2
     engine.l2.store(7, step.keys[7], entry)
     again = engine.new_session().ffn
     run_sequence(model, again, ids, 5)
-    assert again.steps_replayed == 5
+    assert again.stepper.steps_replayed == 5
 
 
 def test_no_step_is_served_across_settings_or_under_patches(smollm2):
@@ -156,7 +156,7 @@ def test_no_step_is_served_across_settings_or_under_patches(smollm2):
     engine.configure(walk=replace(engine.walk_settings, top_k=engine.new_session().ffn.settings.top_k - 7))
     other = engine.new_session()
     run_sequence(smollm2, other.ffn, ids, 4)
-    assert other.ffn.steps_served == 0 and engine.session_snapshot(other).hits == 0
+    assert other.ffn.stepper.steps_served == 0 and engine.session_snapshot(other).hits == 0
 
     engine = LarqlEngine(smollm2)
     run_sequence(smollm2, engine.new_session().ffn, ids, 4)
@@ -166,7 +166,7 @@ def test_no_step_is_served_across_settings_or_under_patches(smollm2):
                              smollm2.checksum))
     patched = engine.new_session()
     run_sequence(smollm2, patched.ffn, ids, 4)
-    assert patched.ffn.steps_served == 0
+    assert patched.ffn.stepper.steps_served == 0
 
 
 def test_a_regenerated_reply_in_the_app_session_is_served_whole(smollm2):
@@ -178,5 +178,5 @@ def test_a_regenerated_reply_in_the_app_session_is_served_whole(smollm2):
     first = [s.token_id for s in session.reply("Name three primary colors.", settings)]
     again = [s.token_id for s in session.regenerate(settings)]
     assert again == first
-    assert session.ffn.steps_served == len(first) - 1
-    assert session.ffn.steps_replayed == len(first) - 1    # the regenerate repeats the reply bit for bit
+    assert session.ffn.stepper.steps_served == len(first) - 1
+    assert session.ffn.stepper.steps_replayed == len(first) - 1    # the regenerate repeats the reply bit for bit

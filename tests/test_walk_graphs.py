@@ -73,8 +73,8 @@ def test_the_key_of_a_mask_is_the_key_of_its_ids():
 def test_the_walk_keys_a_lookup_by_its_selected_features(smollm2, key_width):
     cfg = smollm2.config
     log = []
-    walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(key_width=key_width),
-                   LarqlEngine(smollm2).l2, None, (), key_log=log)
+    walk = WalkFfn(smollm2.ffn, WalkSettings(key_width=key_width), model_checksum=smollm2.checksum,
+                   l1=LarqlEngine(smollm2).l2, key_log=log)
     x = np.random.default_rng(6).standard_normal((1, cfg.hidden)).astype(np.float32)
     scores = smollm2.ffn.gate_scores(4, x)
     walk.call_with_scores(4, x, scores)
@@ -126,9 +126,9 @@ def test_cache_off_walk_runs_the_top_k_graph_and_matches_the_cached_path(smollm2
     cfg = smollm2.config
     off = LarqlEngine(smollm2, l1=OFF, l2=OFF).new_session().ffn
     cached = LarqlEngine(smollm2).new_session().ffn
-    assert not off.takes_gate_scores            # the model runs the plain layer graph: no scores to hand over
-    assert not off.takes_gate_scores_for(1) and off.takes_gate_scores_for(56)   # prefill: the layer graph's
-    assert cached.takes_gate_scores and cached.takes_gate_scores_for(1)
+    assert not off.stepper.takes_gate_scores    # the model runs the plain layer graph: no scores to hand over
+    assert not off.stepper.takes_gate_scores_for(1) and off.stepper.takes_gate_scores_for(56)   # prefill: the layer graph's
+    assert cached.stepper.takes_gate_scores and cached.stepper.takes_gate_scores_for(1)
     x = np.random.default_rng(3).standard_normal((1, cfg.hidden)).astype(np.float32)
     for layer in range(cfg.n_layers):
         out = off(layer, x)
@@ -148,10 +148,9 @@ def test_an_insert_override_keeps_the_python_selection(smollm2):
     gate, up, down = base.vectors(layer, feature)
     patch = Patch((PatchOperation("update", layer, feature, gate=gate, up=up, down=down * 3),),
                   smollm2.name, smollm2.checksum)
-    walk = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), None, None, (),
-                   PatchOverlay.build([patch], base))
-    plain = WalkFfn(smollm2.ffn, cfg.intermediate, smollm2.checksum, WalkSettings(), None, None, ())
-    assert walk.takes_gate_scores and not plain.takes_gate_scores
+    walk = WalkFfn(smollm2.ffn, WalkSettings(), model_checksum=smollm2.checksum, patches=PatchOverlay.build([patch], base))
+    plain = WalkFfn(smollm2.ffn, WalkSettings(), model_checksum=smollm2.checksum)
+    assert walk.stepper.takes_gate_scores and not plain.stepper.takes_gate_scores
     assert not np.array_equal(walk(layer, x), plain(layer, x))               # the override is applied
     assert walk.last_bypass == "patched"
     assert np.array_equal(walk(layer + 1, x), plain(layer + 1, x))           # other layers: the base walk

@@ -50,7 +50,7 @@ def test_a_cold_walk_computes_each_step_in_one_call_and_stores_what_the_layered_
     engine = LarqlEngine(model)
     s_layered, tokens_layered, logits_layered = _logged_run(layered, model, ids)
     s_walked, tokens_walked, logits_walked = _logged_run(engine, model, ids)
-    assert s_layered.ffn.steps_walked == 0 and s_walked.ffn.steps_walked == STEPS
+    assert s_layered.ffn.stepper.steps_walked == 0 and s_walked.ffn.stepper.steps_walked == STEPS
     assert tokens_walked == tokens_layered
     assert np.array_equal(logits_walked, logits_layered)
     assert s_walked.ffn.key_log == s_layered.ffn.key_log        # the same keys, looked up in the same order
@@ -73,7 +73,7 @@ def test_the_cache_off_walk_in_one_call_is_bit_identical_to_the_layered_one(mode
     engine = LarqlEngine(model, l1=OFF, l2=OFF)
     s_layered, tokens_layered, logits_layered = _logged_run(layered, model, ids)
     s_walked, tokens_walked, logits_walked = _logged_run(engine, model, ids)
-    assert s_walked.ffn.steps_walked == STEPS and s_layered.ffn.steps_walked == 0
+    assert s_walked.ffn.stepper.steps_walked == STEPS and s_layered.ffn.stepper.steps_walked == 0
     assert tokens_walked == tokens_layered and np.array_equal(logits_walked, logits_layered)
     a, b = layered.session_snapshot(s_layered), engine.session_snapshot(s_walked)
     assert np.array_equal(a.bypasses["cache_off"], b.bypasses["cache_off"])
@@ -91,7 +91,7 @@ def test_a_layer_a_lookup_would_serve_ends_the_one_call_part_of_the_step(model):
     engine.l2.store_many([(layer, key, entry) for (layer, key), entry in zip(kept, entries)])
     second, _, logits_second = _logged_run(engine, model, ids)
     # Every step: layers before `middle` from the walked call, `middle` served by L2, the rest layer by layer.
-    assert second.ffn.steps_walked == 0 and second.ffn.steps_served == 0
+    assert second.ffn.stepper.steps_walked == 0 and second.ffn.stepper.steps_served == 0
     assert np.array_equal(logits_second, logits_first)     # a hit for the very input it was made from
     snap = engine.session_snapshot(second)
     hits = snap.tiers["L2"].hits
@@ -107,14 +107,14 @@ def test_a_tie_at_the_k_th_place_leaves_the_layer_to_the_walk(model):
     walk, transformer = session.ffn, model.transformer
     kv = KvCache(model.config)
     token = int(np.argmax(transformer.forward(ids, kv, walk)[-1]))
-    assert walk.plan_step(token) is None
+    assert walk.stepper.plan_step(token) is None
     ran = transformer.decoder.run_walked(transformer.embed(np.array([token])), kv.length, kv, transformer.rope,
                                          walk.settings.top_k)
     assert ran.settled.all()              # real scores: no tie at the K-th place
     settled = ran.settled.copy()
     settled[5] = False                    # as the graph says for a tie: its TopK's choice may not be the walk's
     walk.key_log = []
-    assert walk.settle_walked_step(replace(ran, settled=settled)) == 5
+    assert walk.stepper.settle_walked_step(replace(ran, settled=settled)) == 5
     assert [layer for layer, _ in walk.key_log] == list(range(5))
     assert len(_stored(engine.l2, walk.key_log)) == 5
     snap = engine.session_snapshot(session)

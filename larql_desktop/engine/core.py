@@ -145,8 +145,8 @@ class LarqlEngine:
 
     # -- walks and sessions --------------------------------------------------------------------------------
     def _walk_for(self, l1: CacheTier, stats: CacheStats) -> WalkFfn:
-        return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, self.walk_settings,
-                       l1, self.l2, (stats, self.stats), self.patches, l3=self.l3, trace=self.trace)
+        return WalkFfn(self.model.ffn, self.walk_settings, model_checksum=self.model.checksum, l1=l1, l2=self.l2,
+                       l3=self.l3, observers=(stats, self.stats), patches=self.patches, trace=self.trace)
 
     def request_walk(self, top_k: int | None = None) -> WalkFfn:
         """A walk FFN for one API request: no L1, the shared L2 (and L3), this engine's patches and stats,
@@ -156,8 +156,8 @@ class LarqlEngine:
         if top_k is not None:
             width = walk.key_width if walk.key_width is not None and walk.key_width <= top_k else None
             walk = replace(walk, top_k=top_k, key_width=width)
-        return WalkFfn(self.model.ffn, self.model.config.intermediate, self.model.checksum, walk,
-                       None, self.l2, (self.stats,), self.patches, l3=self.l3, trace=self.trace)
+        return WalkFfn(self.model.ffn, walk, model_checksum=self.model.checksum, l2=self.l2, l3=self.l3,
+                       observers=(self.stats,), patches=self.patches, trace=self.trace)
 
     def kv_namespace(self, ffn) -> tuple | None:
         """What the KV of a prompt run through `ffn` depends on besides its tokens (the prefix cache's namespace):

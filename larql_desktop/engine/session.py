@@ -15,7 +15,7 @@ from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, d
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
 from larql_desktop.engine.model.prefix_cache import PrefixCache, prefill_chunks
-from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn
+from larql_desktop.engine.model.transformer import FfnCall, KvCache
 from larql_desktop.engine.formats.tokenizer import StreamDecoder
 from larql_desktop.engine.loading import LoadedModel, conversation
 
@@ -50,7 +50,7 @@ class ChatSession:
         # Next-token logits at the end of the last prompt (and the FFN outcomes of that pass), so a regeneration
         # starts from exactly the same state (re-running the last prompt token alone would differ from the
         # batched prefill by rounding).
-        # The prompt's ids, logits, per-layer outcomes and the FFN's pass_end(): a regenerate starts from them.
+        # The prompt's ids, logits, per-layer outcomes and the walk's pass_end() (cache/stepper.py): a regenerate starts from them.
         self._prompt_logits: tuple[tuple[int, ...], np.ndarray | None, tuple[LayerOutcome, ...], object] | None = None
         self.outcomes = OutcomeRecorder()   # per-layer outcomes of each forward pass, for the token view
 
@@ -101,8 +101,8 @@ class ChatSession:
                 self.kv.truncate(len(ids))
                 del self.history[len(ids):]
                 self.exact_length = min(self.exact_length, len(ids))
-                if isinstance(self.ffn, PassAwareFfn):   # the steps follow the prompt's pass again
-                    self.ffn.continue_after(saved[3])
+                if isinstance(self.ffn, WalkFfn):   # the steps follow the prompt's pass again
+                    self.ffn.stepper.continue_after(saved[3])
             assert saved is not None and saved[1] is not None   # prefill_steps always leaves the prompt's logits
             logits, layers = saved[1], saved[2]
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
@@ -159,7 +159,7 @@ class ChatSession:
         self.exact_length = whole if exact == common and common % self.prefill_chunk == 0 else exact
         self._prefill_ran = len(ids) - common
         self._prompt_logits = (tuple(ids), logits, layers,
-                               ffn.pass_end() if isinstance(ffn, PassAwareFfn) else None)
+                               ffn.stepper.pass_end() if isinstance(ffn, WalkFfn) else None)
         if namespace is not None and prefix_cache is not None and self.exact_length > common:
             prefix_cache.store(namespace, ids[:self.exact_length], self.kv)
         yield 0

@@ -178,15 +178,17 @@ def engine_for(model, mode: str, l3=None):
 
 
 def _cache_figures(engine, session) -> dict:
+    from larql_desktop.engine.cache.walk import WalkFfn
+
     snap = engine.session_snapshot(session)
-    walk = session.ffn
+    stepper = session.ffn.stepper if isinstance(session.ffn, WalkFfn) else None
     return {"lookups": int(snap.lookups), "hits": int(snap.hits),
             "hit_rate": snap.hits / snap.lookups if snap.lookups else None,
             # decode steps run whole in the served decoder graph (of which replayed: no gate run, every input its
             # entry's bit for bit), those where a guessed entry failed, and those computed whole in the walked
             # decoder graph
-            "steps_served": getattr(walk, "steps_served", 0), "steps_replayed": getattr(walk, "steps_replayed", 0),
-            "steps_resumed": getattr(walk, "steps_resumed", 0), "steps_walked": getattr(walk, "steps_walked", 0)}
+            **{name: getattr(stepper, name) if stepper is not None else 0
+               for name in ("steps_served", "steps_replayed", "steps_resumed", "steps_walked")}}
 
 
 def run_larql_worker(spec: dict) -> dict:

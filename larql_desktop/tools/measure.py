@@ -70,7 +70,7 @@ def bench_ffn_cache(model: LoadedModel, layer: int, top_k: int | None, iters: in
     n = cfg.n_layers
 
     def walk(l1: CacheTier | None) -> WalkFfn:
-        return WalkFfn(model.ffn, cfg.intermediate, model.checksum, settings, l1, None, (CacheStats(n),))
+        return WalkFfn(model.ffn, settings, model_checksum=model.checksum, l1=l1, observers=(CacheStats(n),))
 
     rows = []
     baseline = walk(CacheTier("L1", n, TierSettings(enabled=False)))
@@ -354,8 +354,6 @@ class NearestNeighbourFfn:
     candidates a guard may accept). Like the engine's cache, prefill neither serves nor stores; every decode
     miss stores. Each hit is also computed fresh to measure its output cosine."""
 
-    takes_gate_scores = True
-
     def __init__(self, walk: WalkFfn, n_layers: int, tau: float):
         self.walk = walk                   # cache-off walk FFN: what a miss computes
         self.tau = tau
@@ -465,7 +463,7 @@ def run_frontier(model: LoadedModel, prompts: list[str], widths: list[int | None
     bounds = []
     cfg = model.config
     for tau in sorted({t for t in taus if t is not None}, reverse=True):
-        off = WalkFfn(model.ffn, F, model.checksum, base, None, None, ())
+        off = WalkFfn(model.ffn, base, model_checksum=model.checksum)
         oracle = NearestNeighbourFfn(off, cfg.n_layers, tau)
         runs = []
         for prompt in prompts:

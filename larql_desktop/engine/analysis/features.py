@@ -62,7 +62,7 @@ def normed_ffn_input(engine: LarqlEngine, ids: list[int], layer: int) -> np.ndar
     and patches and no cache."""
     model = engine.model
     settings = replace(engine.walk_settings, near_miss_fraction=0.0, verify_fraction=0.0)
-    walk = WalkFfn(model.ffn, model.config.intermediate, model.checksum, settings, None, None, (), engine.patches)
+    walk = WalkFfn(model.ffn, settings, model_checksum=model.checksum, patches=engine.patches)
     captured: list[np.ndarray] = []
 
     def recording(at: int, x: np.ndarray) -> np.ndarray:

@@ -88,7 +88,7 @@ def uncached_walk(engine) -> WalkFfn:
     """A walk with the engine's FFN settings and patches, no cache tiers, no statistics, no sampling of checks."""
     model = engine.model
     settings = replace(engine.walk_settings, near_miss_fraction=0.0, verify_fraction=0.0)
-    return WalkFfn(model.ffn, model.config.intermediate, model.checksum, settings, None, None, (), engine.patches)
+    return WalkFfn(model.ffn, settings, model_checksum=model.checksum, patches=engine.patches)
 
 
 def _post_ffn_norms(model) -> list[np.ndarray | None]:

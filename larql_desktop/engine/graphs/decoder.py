@@ -20,12 +20,12 @@ The replay decoder is the served decoder without the gate: for a step expected t
 for bit (a regenerated reply, the same prompt again), where each layer's FFN input equals the input its entry
 was computed from. There the gate scores, the selection and the key are the entry's by construction (the same
 graphs on the same input), so nothing needs them: the step costs attention alone, and the walk serves each layer
-whose input it finds equal to its entry's, bit for bit (cache/walk.py `settle_replayed_step`).
+whose input it finds equal to its entry's, bit for bit (cache/stepper.py `settle_replayed_step`).
 
 The walked decoder is the same composition for a decode step of the walk FFN whose entries are not known in
 advance (the cache off, or a cold cache): every layer runs the top-K walk graph (selection inside it), and the
 step hands back each layer's FFN input, scores, selection and output, from which the walk makes the keys, looks
-them up and stores the misses after the call (cache/walk.py `settle_walked_step`). Layer by layer such a step
+them up and stores the misses after the call (cache/stepper.py `settle_walked_step`). Layer by layer such a step
 is 61 calls (attention with the gate, then the walk, per layer, and the head) with Python between them: on
 SmolLM2 the cache-off walk decoded at 72 tok/s that way and at 95 in one call (`bench`, 2 threads).
 

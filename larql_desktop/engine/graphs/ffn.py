@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.model.config import ModelConfig
-from larql_desktop.engine.model.transformer import PassAwareFfn
+from larql_desktop.engine.model.transformer import KvCache, TransformerModel
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
 from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
@@ -167,7 +167,24 @@ BUILDERS = {"gate": build_gate_graph, "walk": build_walk_graph, "dense": build_d
             "walk_top_k": build_walk_top_k_graph}
 
 
-class OnnxFfn(PassAwareFfn):
+class PlainDenseStepper:
+    """The Stepper of the plain dense FFN (model/transformer.py): every pass, prefill or decode, in one call of the
+    model's whole-model dense decoder graph (graphs/decoder.py), which wires the very per-layer graphs together."""
+
+    def run_whole(self, model: TransformerModel, ids: np.ndarray, h: np.ndarray, start: int, kv: KvCache
+                  ) -> np.ndarray | None:
+        logits = model.decoder.run(h, start, kv, model.rope)
+        kv.length = start + ids.size
+        return logits
+
+    def scored_ffn(self, rows: int) -> None:
+        return None      # the dense FFN starts from x, not from the gate scores
+
+
+PLAIN_DENSE = PlainDenseStepper()
+
+
+class OnnxFfn:
     """The exported gate, walk and dense graphs of every layer, in onnxruntime sessions made on first use.
 
     All files are checked (and exported again if missing or changed) at load; a layer's sessions are created on
@@ -263,7 +280,4 @@ class OnnxFfn(PassAwareFfn):
         return out
 
     __call__ = dense
-
-    def runs_plain_dense(self) -> bool:
-        """The plain dense FFN everywhere: the model may run whole passes in its decoder graph."""
-        return True
+    stepper = PLAIN_DENSE     # the plain dense FFN everywhere: the model may run whole passes in its decoder graph

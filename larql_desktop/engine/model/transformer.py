@@ -4,12 +4,14 @@ The FFN is not computed here: each layer hands its normed FFN input to an `FfnCa
 where the walk FFN and its activation cache attach. Everything else runs either in per-layer onnxruntime
 graphs (graphs/blocks.py's OnnxBlocks, attached with `use_graphs`: the fast path the app uses) or in numpy fp32 from
 dequantised GGUF weights (the reference the graphs are tested against; weights dequantised on first use).
+A pass with nothing to do between layers may instead run whole in one call of a decoder graph (graphs/decoder.py):
+which passes, and what a call's results mean for the FFN, is the cache's business (cache/stepper.py), asked
+through the `Stepper` an FFN brings.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -28,72 +30,29 @@ class LayerRecord(Protocol):
         """h: the residual (T, d) after the layer's attention; x: its normed FFN input (T, d)."""
 
 
-class PassAwareFfn(ABC):
-    """An FFN that takes part in planning the forward pass (the walk, and the plain dense graphs).
+class ScoredFfnCall(Protocol):
+    def __call__(self, layer: int, x: np.ndarray, scores: np.ndarray | None, /) -> np.ndarray:
+        """As FfnCall, given `scores` = x @ W_gate.T (T, F) of the base weights when the layer graph computed them."""
 
-    Before a pass the model asks `runs_plain_dense()`: an FFN that would compute the plain dense FFN at every layer
-    answers True, and the model then runs all layers in its whole-model decoder graph and tells it so with
-    `record_dense_pass()` (the question has no side effect; the accounting is its own call). An FFN that starts from
-    the gate scores x @ W_gate.T says so with `takes_gate_scores`, and gets them from the layer graph's own call
-    through `call_with_scores`. Plain callables (tests, recorders) are FfnCalls without any of this."""
 
-    @abstractmethod
-    def __call__(self, layer: int, x: np.ndarray) -> np.ndarray: ...
+class Stepper(Protocol):
+    """The cache's side of a forward pass (cache/stepper.py): what may run whole in one of the model's decoder
+    graphs, and whether the FFN takes the gate scores the layer graphs can compute alongside its input. An FFN
+    brings its stepper as its `stepper` attribute (the walk's, or the plain dense FFN's); a plain callable none."""
 
-    @property
-    def takes_gate_scores(self) -> bool:
-        return False
+    def run_whole(self, model: "TransformerModel", ids: np.ndarray, h: np.ndarray, start: int, kv: "KvCache"
+                  ) -> np.ndarray | None:
+        """The logits of the pass of `ids` (embedded: h (T, d)) after the first `start` positions of `kv`, run in
+        the model's decoder graphs (kv.length advanced), or None: the model runs the pass layer by layer."""
 
-    def takes_gate_scores_for(self, rows: int) -> bool:
-        """`takes_gate_scores` for a pass of `rows` positions (an FFN may want them for prefill only)."""
-        return self.takes_gate_scores
+    def scored_ffn(self, rows: int) -> ScoredFfnCall | None:
+        """The FFN to hand the layer graphs' gate scores to in a pass of `rows` positions; None: the plain call."""
 
-    def call_with_scores(self, layer: int, x: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
-        return self(layer, x)
 
-    def runs_plain_dense(self) -> bool:
-        return False
-
-    def record_dense_pass(self) -> None:
-        """Called once for each pass the model ran in the decoder graph after `runs_plain_dense()` said yes."""
-
-    def pass_end(self):
-        """What the FFN knows of where the latest pass ended, for `continue_after` when the context is rolled
-        back to that point (a regenerate reusing the prompt's pass)."""
-        return None
-
-    def continue_after(self, pass_end) -> None:
-        """The next step follows the pass whose `pass_end()` this was, not the latest one."""
-
-    def plan_step(self, token: int):
-        """Before a decode step of `token` (not a plain dense one): an object whose `outputs` (n_layers, d) are
-        every layer's FFN output and `selections` (n_layers, F) bool the features each layer is guessed to
-        select, when the FFN can name them before the step runs, else None. The model then runs the step in its
-        served decoder graph and hands what it computed (a decoder.ServedPass) to `settle_step`, or where the
-        object's `replay` is true in its replay decoder graph, to `settle_replayed_step`."""
-        return None
-
-    def settle_step(self, step, ran) -> int:
-        """The planned step ran with `step.outputs`; `ran` holds each layer's normed FFN input, gate scores and
-        whether the guessed selection held. Returns how many layers, from the first, were served what this FFN
-        would have computed for them: the model redoes the rest from that layer's FFN on."""
-        return 0
-
-    def settle_replayed_step(self, step, ran) -> int:
-        """As `settle_step` for a planned step whose `replay` said so, run in the replay decoder graph: `ran`
-        holds each layer's normed FFN input (a decoder.ReplayPass, no gate scores)."""
-        return 0
-
-    def walk_step_k(self) -> int | None:
-        """Asked after `plan_step` gave None: K when the model may run the decode step in its walked decoder graph
-        (the top-K walk at every layer, all in one call) and hand what it computed (a decoder.WalkedPass) to
-        `settle_walked_step`; None keeps the step layer by layer."""
-        return None
-
-    def settle_walked_step(self, ran) -> int:
-        """The step ran the top-K walk at every layer; returns how many layers, from the first, computed what this
-        FFN gives them (the rest are redone from that layer's FFN on)."""
-        return 0
+def stepper_of(ffn: FfnCall) -> Stepper | None:
+    """The stepper `ffn` brings (see Stepper), None for a plain callable."""
+    stepper: Stepper | None = getattr(ffn, "stepper", None)
+    return stepper
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -216,9 +175,10 @@ class TransformerModel:
         self._output_tensor = t.get("output.weight", self.token_embd)
         self._output_matrix: np.ndarray | None = None
         self.rope = RopeTables(cfg.head_dim)
-        self.graphs = None   # graphs.blocks.OnnxBlocks once attached: forward then runs in onnxruntime
-        self.decoder = None  # graphs.decoder.OnnxDecoder: the whole model in one call, for plain dense passes
-        self.softmax = None  # graphs.softmax.OnnxSoftmax over the vocabulary: a reply's token probabilities
+        # Attached by `use_graphs` from the graphs layer above this one (hence untyped here):
+        self.graphs: Any = None   # graphs.blocks.OnnxBlocks: forward then runs in onnxruntime
+        self.decoder: Any = None  # graphs.decoder.OnnxDecoder: whole passes in one call (the Stepper's choice)
+        self.softmax: Any = None  # graphs.softmax.OnnxSoftmax over the vocabulary: a reply's token probabilities
 
     def use_graphs(self, graphs, decoder=None, softmax=None) -> None:
         """Run forward through onnxruntime layer/head graphs (None: back to the numpy reference), whole dense
@@ -307,10 +267,11 @@ class TransformerModel:
 
     # -- forward ------------------------------------------------------------------------------------------
     def forward(self, ids, kv: KvCache, ffn: FfnCall, all_logits: bool = False,
-                record: LayerRecord | None = None) -> np.ndarray:
+                record: LayerRecord | None = None, stepper: Stepper | None = None) -> np.ndarray:
         """Run `ids` after the kv cache's context; returns logits (T, vocab) or (1, vocab) for the last one.
         `record(i, h, x)` is given each layer's residual after its attention and its FFN input (fresh arrays,
-        (T, d)): what `resume` needs to re-run the layers after one whose FFN changed."""
+        (T, d)): what `resume` needs to re-run the layers after one whose FFN changed. `stepper` (by default the
+        one `ffn` brings) may run a pass that needs neither whole in a decoder graph."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -320,56 +281,17 @@ class TransformerModel:
         start = kv.length
         kv.reserve(start + ids.size)
         h = self.embed(ids)
-        if (self.decoder is not None and not all_logits and record is None and isinstance(ffn, PassAwareFfn)
-                and ffn.runs_plain_dense()):
-            ffn.record_dense_pass()
-            logits = self.decoder.run(h, start, kv, self.rope)
-            kv.length = start + ids.size
-            return logits
-        if (self.decoder is not None and ids.size == 1 and not all_logits and record is None
-                and isinstance(ffn, PassAwareFfn)):
-            step = ffn.plan_step(int(ids[0]))
-            if step is not None:
-                return self._forward_served(h, start, kv, ffn, step)
-            k = ffn.walk_step_k()
-            if k is not None:
-                return self._forward_walked(h, start, kv, ffn, k)
+        stepper = stepper if stepper is not None else stepper_of(ffn)
+        if stepper is not None and self.decoder is not None and not all_logits and record is None:
+            logits = stepper.run_whole(self, ids, h, start, kv)
+            if logits is not None:
+                return logits
         if self.graphs is not None:
-            return self._forward_graphs(h, start, kv, ffn, all_logits, record)
+            return self.run_graph_layers(h, start, kv, ffn, stepper, all_logits=all_logits, record=record)
         return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
 
-    def _forward_served(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, step) -> np.ndarray:
-        """A decode step in one call of the served decoder graph (the replay decoder, without the gate, where the
-        plan expects the step to repeat an earlier one bit for bit), with the FFN's planned outputs; from the
-        first layer whose output turns out not to apply, the step goes on layer by layer."""
-        if step.replay:
-            ran = self.decoder.run_replay(h, start, kv, self.rope, step.outputs)
-            return self._settled_step(ran, ffn.settle_replayed_step(step, ran), step.outputs[-1:], start, kv, ffn)
-        ran = self.decoder.run_served(h, start, kv, self.rope, step.outputs, step.selections)
-        return self._settled_step(ran, ffn.settle_step(step, ran), step.outputs[-1:], start, kv, ffn)
-
-    def _forward_walked(self, h: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn, k: int) -> np.ndarray:
-        """A decode step in one call of the walked decoder graph (the top-k walk at every layer); from the first
-        layer the FFN would not have computed so (a cache hit, a tie at the K-th place), layer by layer."""
-        ran = self.decoder.run_walked(h, start, kv, self.rope, k)
-        return self._settled_step(ran, ffn.settle_walked_step(ran), ran.outputs[-1:], start, kv, ffn)
-
-    def _settled_step(self, ran, kept: int, last_output: np.ndarray, start: int, kv: KvCache, ffn: PassAwareFfn
-                      ) -> np.ndarray:
-        """The logits of a decode step run in one decoder call, of which the FFN kept the first `kept` layers'
-        outputs as its own (`last_output` (1, d): the last layer's, what the head reads beside its residual)."""
-        if kept == self.config.n_layers:
-            kv.length = start + 1
-            return self.graphs.run_head(ran.residuals[-1:], last_output)
-        # Layers before `kept` had what the FFN gives them, so layer `kept`'s attention, input and scores stand;
-        # its FFN runs now, and the layers after it run again (rewriting their KV rows).
-        i = kept
-        scores = None if ran.scores is None else ran.scores[i:i + 1]     # a replay computed none
-        f = np.ascontiguousarray(ffn.call_with_scores(i, ran.inputs[i:i + 1], scores), dtype=np.float32)
-        return self._forward_graphs(ran.residuals[i:i + 1], start, kv, ffn, False, first=i + 1, f=f)
-
     def resume(self, layer: int, h: np.ndarray, x: np.ndarray, kv: KvCache, ffn: FfnCall,
-               record: LayerRecord | None = None) -> np.ndarray:
+               record: LayerRecord | None = None, stepper: Stepper | None = None) -> np.ndarray:
         """The last position's logits of a pass re-run from `layer`'s FFN on, under `ffn`: `h` and `x` are what
         `record` gave for `layer` in a pass over the kv cache's last T positions (its layers up to `layer`
         stand: nothing before that FFN depends on it), the layers after it are recomputed and their KV rows
@@ -382,7 +304,8 @@ class TransformerModel:
             raise ValueError(f"layer must be within 0..{self.config.n_layers - 1}, not {layer}")
         if self.graphs is not None:
             f = np.ascontiguousarray(ffn(layer, x), dtype=np.float32)
-            return self._forward_graphs(h, start, kv, ffn, False, record, first=layer + 1, f=f)
+            return self.run_graph_layers(h, start, kv, ffn, stepper if stepper is not None else stepper_of(ffn),
+                                         record=record, first=layer + 1, f=f)
         return self._forward_numpy(h, layer, x, start, kv, ffn, False, record)
 
     def _forward_numpy(self, h, first: int, x, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool,
@@ -408,22 +331,24 @@ class TransformerModel:
         kv.length = start + T
         return self.logits(h if all_logits else h[-1:])
 
-    def _forward_graphs(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, all_logits: bool,
-                        record: LayerRecord | None = None, first: int = 0, f: np.ndarray | None = None
-                        ) -> np.ndarray:
+    def run_graph_layers(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, stepper: Stepper | None = None,
+                         *, all_logits: bool = False, record: LayerRecord | None = None, first: int = 0,
+                         f: np.ndarray | None = None) -> np.ndarray:
+        """The layers from `first` on in the per-layer graphs, then the head: `h` (T, d) is the residual going into
+        layer `first` and `f` the FFN output (T, d) of the layer before it (None: layer 0, nothing to add)."""
         cfg, graphs = self.config, self.graphs
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
         if f is None:
             f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
-        with_scores = graphs.has_gate_scores and isinstance(ffn, PassAwareFfn) and ffn.takes_gate_scores_for(T)
+        scored = stepper.scored_ffn(T) if stepper is not None and graphs.has_gate_scores else None
         for i in range(first, cfg.n_layers):
             cos, sin = bases[cfg.rope_base_for(i)]
-            if with_scores:
+            if scored is not None:
                 h, x, scores = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin, gate_scores=True)
                 if record is not None:
                     record(i, h, x)
-                out = ffn.call_with_scores(i, x, scores)
+                out = scored(i, x, scores)
             else:
                 h, x = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin)
                 if record is not None:

@@ -289,8 +289,7 @@ class Inserter:
 
     # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
-        cfg = self.model.config
-        return WalkFfn(self.model.ffn, cfg.intermediate, self.model.checksum, self.walk, None, None, (), overlay)
+        return WalkFfn(self.model.ffn, self.walk, model_checksum=self.model.checksum, patches=overlay)
 
     def encode(self, text: str) -> list[int]:
         return self.model.tokenizer.encode(text)
