@@ -147,3 +147,58 @@ def test_the_contract_catches_a_violation(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     assert _violations("engine") == ["larql_desktop/engine/leaky.py:2 imports PySide6",
                                      "larql_desktop/engine/leaky.py:2 imports PySide6.QtCore"]
+
+
+def _own_private_names(files: list[Path]) -> set[str]:
+    """The private names the package defines: functions, classes and attributes (assigned on anything) whose name
+    has one leading underscore. A private name of a third-party object (onnxruntime's `_sess`) is not the
+    package's to make public, so it is not among them."""
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def _private_uses() -> list[str]:
+    """Every use of one of the package's private names from outside its owner: `obj._name` on anything but
+    self or cls, and `from larql_desktop... import _name`."""
+    files = sorted(PACKAGE.rglob("*.py"))
+    private = _own_private_names(files)
+    bad = []
+    for path in files:
+        where = path.relative_to(PACKAGE.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                bad.append(f"{where}:{node.lineno} uses {ast.unparse(node)}")
+            elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("larql_desktop")):
+                bad += [f"{where}:{node.lineno} imports {alias.name} from {node.module}" for alias in node.names
+                        if alias.name in private]
+    return bad
+
+
+def test_no_private_member_is_used_from_outside():
+    assert _private_uses() == []
+
+
+def test_the_private_member_check_catches_a_use(tmp_path, monkeypatch):
+    """Another object's private attribute, a private function imported from another module; not self's own,
+    a dunder, or a third-party object's private name."""
+    fake = tmp_path / "larql_desktop"
+    (fake / "engine").mkdir(parents=True)
+    (fake / "engine" / "owner.py").write_text(
+        "class Owner:\n    def __init__(self):\n        self._state = 1\n\n\ndef _helper():\n    return 2\n")
+    (fake / "engine" / "user.py").write_text(
+        "import onnxruntime\nfrom larql_desktop.engine.owner import Owner, _helper\n\n\n"
+        "def f(owner: Owner, session: onnxruntime.InferenceSession):\n"
+        "    return owner._state, owner.__class__, session._sess, _helper()\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert _private_uses() == [
+        "larql_desktop/engine/user.py:2 imports _helper from larql_desktop.engine.owner",
+        "larql_desktop/engine/user.py:6 uses owner._state"]

@@ -623,7 +623,7 @@ class MainWindow(QMainWindow):
     @Slot(bool)
     def _on_reply_map_shown(self, visible: bool) -> None:
         if visible and self.reply_map.turn is not None and self.reply_map.fired is None \
-                and self.reply_map._pending is None and self.client.ready:
+                and not self.reply_map.analysing and self.client.ready:
             self.reply_map.analyse()
 
     @Slot(int, int)

@@ -107,6 +107,11 @@ class CacheMonitor(QWidget):
         super().__init__(parent)
         self.client = client
         self.model = MonitorModel()
+        # Per plot its title, colour key and the title markup last set; per bar item the (x, y0, height) last
+        # drawn: kept here rather than as attributes put on pyqtgraph's objects.
+        self._titles: dict[pg.PlotItem, tuple[str, str]] = {}
+        self._title_html: dict[pg.PlotItem, str] = {}
+        self._shown: dict[pg.BarGraphItem, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._drawn = -1
         self._refreshed_at = 0.0
         self._redraw_cpu_from: float | None = None   # the GUI thread's CPU time when a streaming redraw began
@@ -158,18 +163,18 @@ class CacheMonitor(QWidget):
         # LabelItem makes its text's width the column's minimum on every change; in a panel this narrow a long
         # title would push the last column out of view, so only the height is kept as a minimum.
         label.updateMin = lambda: label.setMinimumHeight(label.item.boundingRect().height())
-        plot._title = title
-        plot._keys = " ".join(f"<span style='color:{colour}'>&#9632;&nbsp;{name}</span>"
-                              for name, colour in keys.items())
+        self._titles[plot] = (title, " ".join(f"<span style='color:{colour}'>&#9632;&nbsp;{name}</span>"
+                                              for name, colour in keys.items()))
         self._set_title(plot, title)
         return plot
 
     def _set_title(self, plot: pg.PlotItem, title: str) -> None:
-        plot._title = title
+        keys = self._titles[plot][1]
+        self._titles[plot] = (title, keys)
         html = (f"<span style='color:{self._text_colour}'>{title}</span><br>"
-                f"<span style='font-size:7.5pt'>{plot._keys}</span>")
-        if getattr(plot, "_title_html", None) != html:   # a new title re-lays out (and repaints) every plot
-            plot._title_html = html
+                f"<span style='font-size:7.5pt'>{keys}</span>")
+        if self._title_html.get(plot) != html:   # a new title re-lays out (and repaints) every plot
+            self._title_html[plot] = html
             plot.setTitle(html, size="10pt")
 
     def _line(self, plot: pg.PlotItem, name: str, colour: str, width: float = 2) -> pg.PlotDataItem:
@@ -189,16 +194,15 @@ class CacheMonitor(QWidget):
             stack[name] = item
         return stack
 
-    @staticmethod
-    def _set_stack(plot: pg.PlotItem, stack: dict[str, pg.BarGraphItem], x: np.ndarray,
+    def _set_stack(self, plot: pg.PlotItem, stack: dict[str, pg.BarGraphItem], x: np.ndarray,
                    heights: dict[str, np.ndarray]) -> float:
         base = np.zeros_like(x)
         for name, bars in stack.items():
             h = np.asarray(heights[name], dtype=float)
-            shown = getattr(bars, "_shown", None)   # (x, y0, height) last drawn: only what changed is repainted
+            shown = self._shown.get(bars)   # (x, y0, height) last drawn: only what changed is repainted
             if shown is None or not all(np.array_equal(a, b) for a, b in zip(shown, (x, base, h))):
                 bars.setOpts(x=x, y0=base.copy(), height=h)
-                bars._shown = (x.copy(), base.copy(), h.copy())
+                self._shown[bars] = (x.copy(), base.copy(), h.copy())
             base = base + h
         top = max(float(base.max(initial=0.0)), 1.0)
         plot.setYRange(0, top * 1.08, padding=0)
@@ -626,7 +630,7 @@ class CacheMonitor(QWidget):
                 plot.getAxis(axis).setTextPen(pen)
         self._text_colour = "#e6e6e6" if dark else "#1a1a1a"
         for plot in self._all_plots():
-            self._set_title(plot, plot._title)
+            self._set_title(plot, self._titles[plot][0])
         self._drawn = -1
 
     def _all_plots(self) -> tuple:

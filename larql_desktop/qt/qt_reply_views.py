@@ -120,9 +120,9 @@ class ReplyAnalysis:
 
 def ensure_registered(client) -> None:
     """Register the analysis handlers once per worker (several views share them)."""
-    if getattr(client.worker, "_reply_analysis", None) is None:
-        client.worker._reply_analysis = ReplyAnalysis(client.worker)
-        client.worker._reply_analysis.register()
+    if client.worker.reply_analysis is None:
+        client.worker.reply_analysis = ReplyAnalysis(client.worker)
+        client.worker.reply_analysis.register()
 
 
 # --- the reply x layer map ---
@@ -188,6 +188,11 @@ class ReplyMap(QWidget):
         if analyse:
             return self.analyse()
         return None
+
+    @property
+    def analysing(self) -> bool:
+        """Whether an analysis this map asked for is still in the worker."""
+        return self._pending is not None
 
     def analyse(self) -> int | None:
         events = [e for e in self.events if e.position >= 0]

@@ -94,6 +94,7 @@ class EngineWorker(QObject):
         self._loader = loader
         self._serve = serve                      # serve(engine, host, port) -> handle with .url and .stop()
         self._server = None                      # the running server's handle
+        self.reply_analysis = None               # qt_reply_views.ReplyAnalysis, once a reply view registered it
         self._server_port: int | None = None     # the port the user wants served (None: not serving)
         self._unsubscribe: Callable[[], None] | None = None
         self._shutdown = threading.Event()

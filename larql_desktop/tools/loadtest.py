@@ -42,7 +42,8 @@ CHAT_PROMPTS = (
 )
 
 
-def _checked(url: str, clients: int, seconds: float) -> tuple[str, int]:
+def checked_target(url: str, clients: int, seconds: float) -> tuple[str, int]:
+    """(host, port) of a load test's target, refused (ValueError) unless loopback and within the limits."""
     parts = urlsplit(url)
     if not is_loopback(parts.hostname or ""):
         raise ValueError(f"the load test only targets loopback servers, not {url}")
@@ -51,7 +52,8 @@ def _checked(url: str, clients: int, seconds: float) -> tuple[str, int]:
     return parts.hostname, parts.port or 80
 
 
-def _headers(token: str | None) -> dict:
+def auth_headers(token: str | None) -> dict:
+    """The request headers of a JSON request, with the bearer token when the server wants one."""
     headers = {"content-type": "application/json"}
     if token:
         headers["authorization"] = f"Bearer {token}"
@@ -59,10 +61,10 @@ def _headers(token: str | None) -> dict:
 
 
 def get_json(url: str, path: str, token: str | None = None, timeout: float = 30.0) -> dict:
-    host, port = _checked(url, 1, 1)
+    host, port = checked_target(url, 1, 1)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("GET", path, headers=_headers(token))
+        conn.request("GET", path, headers=auth_headers(token))
         r = conn.getresponse()
         body = r.read()
         if r.status != 200:
@@ -103,13 +105,13 @@ class LoadResult:
 def run_load(url: str, hidden: int, n_layers: int, *, clients: int = 4, seconds: float = 3.0, pool: int = 32,
              prefill_every: int = 0, token: str | None = None, seed: int = 0, top_k: int | None = None) -> LoadResult:
     """Drive the server for `seconds`; every client stops sending when the time is up (in-flight ones finish)."""
-    host, port = _checked(url, clients, seconds)
+    host, port = checked_target(url, clients, seconds)
     rng = np.random.default_rng(seed)
     residuals = [rng.standard_normal(hidden).astype(np.float32) for _ in range(pool)]
     bodies = [json.dumps({"layer": int(i % n_layers), "residual": r.tolist(), "top_k": top_k,
                           "full_output": True}).encode() for i, r in enumerate(residuals)]
     prefill = json.dumps({"layer": 0, "residual": [r.tolist() for r in residuals[:3]], "top_k": top_k}).encode()
-    headers = _headers(token)
+    headers = auth_headers(token)
     result = LoadResult(seconds)
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
@@ -268,8 +270,8 @@ def run_chat_load(url: str, model: str, *, clients: int = 8, seconds: float = 30
                   temperature: float = 0.0, prompts: tuple[str, ...] = CHAT_PROMPTS, token: str | None = None,
                   seed: int = 0) -> ChatLoadResult:
     """`clients` threads stream chat replies back to back for `seconds` (replies in flight then finish)."""
-    host, port = _checked(url, clients, seconds)
-    headers = _headers(token)
+    host, port = checked_target(url, clients, seconds)
+    headers = auth_headers(token)
     result = ChatLoadResult(seconds, per_client=[0] * clients)
     lock = threading.Lock()
     before = stats_counts(get_json(url, "/v1/cache-stats", token))

@@ -19,7 +19,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from larql_desktop.tools.loadtest import _checked, _headers
+from larql_desktop.tools.loadtest import checked_target, auth_headers
 
 WORDS = ("amber", "basalt", "cobalt", "dolomite", "emerald", "feldspar", "garnet", "hematite", "jasper", "kyanite")
 SYSTEM = ("You are the guide of a museum of natural history. The museum has twelve halls: minerals, meteorites, "
@@ -30,8 +30,8 @@ SYSTEM = ("You are the guide of a museum of natural history. The museum has twel
 
 class Client:
     def __init__(self, url: str, model: str, token: str | None = None, timeout: float = 600.0):
-        self.host, self.port = _checked(url, 1, 1)
-        self.model, self.headers, self.timeout = model, _headers(token), timeout
+        self.host, self.port = checked_target(url, 1, 1)
+        self.model, self.headers, self.timeout = model, auth_headers(token), timeout
 
     def stream(self, path: str, body: dict) -> dict:
         """One streamed request: seconds to the first text, total seconds, completion tokens and the reply text."""
@@ -199,7 +199,7 @@ def _first_model(url: str, token: str | None) -> str:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
     try:
-        conn.request("GET", "/v1/models", headers=_headers(token))
+        conn.request("GET", "/v1/models", headers=auth_headers(token))
         return json.loads(conn.getresponse().read())["data"][0]["id"]
     finally:
         conn.close()

@@ -139,10 +139,10 @@ class TokenStep:
 def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: int = ALTERNATIVES,
                      softmax: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[Alternative, ...]:
     """The n most likely tokens with their softmax probabilities. Runs every step: the top n come from the
-    logits (_top_ids), the probabilities from `softmax` (a function of the logits, as OnnxSoftmax.bound()
+    logits (top_ids), the probabilities from `softmax` (a function of the logits, as OnnxSoftmax.bound()
     gives: 3x faster than numpy's float32 exp on AVX2, within ~5e-5 relative) or else from one numpy pass."""
     z = np.asarray(logits, dtype=np.float32).reshape(-1)
-    top = _top_ids(z, n)
+    top = top_ids(z, n)
     if softmax is not None:
         p = softmax(z)
         probabilities = [float(p[i]) for i in top]
@@ -153,10 +153,10 @@ def top_alternatives(logits: np.ndarray, token_text: Callable[[int], str], n: in
     return tuple(Alternative(int(i), token_text(int(i)), p) for i, p in zip(top, probabilities))
 
 
-TOP_GROUPS = 512            # groups of logits when looking for the top few (see _top_ids)
+TOP_GROUPS = 512            # groups of logits when looking for the top few (see top_ids)
 
 
-def _top_ids(z: np.ndarray, n: int) -> np.ndarray:
+def top_ids(z: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest of z (finite, 1-D), largest first, a tie to the lower id, without partitioning the
     whole vocabulary (0.66 ms for Gemma's 262,144 logits, 5% of a decode step): the n-th largest group maximum
     is a floor that at least n values reach (the n group maxima at or above it), so the n largest are among

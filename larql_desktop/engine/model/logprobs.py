@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from larql_desktop.engine.model.generation import _top_ids
+from larql_desktop.engine.model.generation import top_ids
 
 MAX_TOP_LOGPROBS = 20       # as the OpenAI API caps top_logprobs
 
@@ -28,6 +28,6 @@ def token_logprobs(logits: np.ndarray, token_id: int, top_n: int) -> TokenLogpro
     z = z32.astype(np.float64)
     peak = float(z.max())
     log_total = peak + float(np.log(np.exp(z - peak).sum()))
-    top = _top_ids(z32, top_n) if top_n else ()
+    top = top_ids(z32, top_n) if top_n else ()
     return TokenLogprobs(int(token_id), float(z[token_id] - log_total),
                          tuple((int(i), float(z[i] - log_total)) for i in top))

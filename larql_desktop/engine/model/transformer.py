@@ -172,7 +172,7 @@ class TransformerModel:
         self.output_norm = dequantize(t["output_norm.weight"])
         self.token_embd = t["token_embd.weight"]
         # Tied embeddings when the GGUF has no separate output matrix (both packaged models).
-        self._output_tensor = t.get("output.weight", self.token_embd)
+        self.output_tensor = t.get("output.weight", self.token_embd)
         self._output_matrix: np.ndarray | None = None
         self.rope = RopeTables(cfg.head_dim)
         # Attached by `use_graphs` from the graphs layer above this one (hence untyped here):
@@ -226,7 +226,7 @@ class TransformerModel:
     @property
     def output_matrix(self) -> np.ndarray:
         if self._output_matrix is None:
-            self._output_matrix = dequantize(self._output_tensor)   # (vocab, d)
+            self._output_matrix = dequantize(self.output_tensor)   # (vocab, d)
         return self._output_matrix
 
     def logits(self, h: np.ndarray) -> np.ndarray:

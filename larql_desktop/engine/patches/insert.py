@@ -398,7 +398,7 @@ class Inserter:
         return self._post_norms[layer]
 
     def output_rows(self, ids: np.ndarray) -> np.ndarray:
-        return dequantize_rows(self.model.transformer._output_tensor, np.asarray(ids, np.int64))
+        return dequantize_rows(self.model.transformer.output_tensor, np.asarray(ids, np.int64))
 
     def value_direction(self, token: int, logits: list[np.ndarray], layer: int) -> np.ndarray:
         """Unit direction, in the FFN output space of `layer`, that raises `token` against each context's own
