@@ -117,6 +117,44 @@ def test_decoder_graph_equals_per_layer_graphs(request, fixture):
         np.testing.assert_allclose(kv_whole.values[i][:, :n], kv_layers.values[i][:, :n], rtol=1e-4, atol=1e-4)
 
 
+class _AskedStepper:
+    """A stepper that runs nothing whole and notes what the model asked it."""
+
+    def __init__(self):
+        self.asked = []
+
+    def run_whole(self, model, ids, h, start, kv):
+        self.asked.append(("run_whole", ids.size, start, h.shape))
+        return None
+
+    def scored_ffn(self, rows):
+        self.asked.append(("scored_ffn", rows))
+        return None
+
+
+def test_forward_leaves_whole_passes_to_the_stepper_it_is_given(smollm2):
+    """The model decides nothing for the cache: it offers a pass to the stepper (not when the caller wants every
+    layer recorded), runs it layer by layer when the stepper declines, and runs it in the dense decoder graph
+    when handed the plain dense FFN's stepper: bit for bit what the dense FFN, which brings that stepper, gets."""
+    from larql_desktop.engine.graphs.ffn import PLAIN_DENSE
+
+    tr, cfg = smollm2.transformer, smollm2.config
+    ids = smollm2.tokenizer.encode("One two three four")
+    plain = _per_layer(smollm2)
+    asked = _AskedStepper()
+    scored = [("scored_ffn", len(ids))] if tr.graphs.has_gate_scores else []   # asked where the graphs can give them
+    declined = tr.forward(ids, KvCache(cfg), plain, stepper=asked)
+    assert asked.asked == [("run_whole", len(ids), 0, (len(ids), cfg.hidden))] + scored
+    assert np.array_equal(declined, tr.forward(ids, KvCache(cfg), plain))
+    asked.asked.clear()
+    tr.forward(ids, KvCache(cfg), plain, record=lambda i, h, x: None, stepper=asked)
+    assert asked.asked == scored
+    kv = KvCache(cfg)
+    whole = tr.forward(ids, kv, plain, stepper=PLAIN_DENSE)
+    assert kv.length == len(ids)
+    assert np.array_equal(whole, tr.forward(ids, KvCache(cfg), smollm2.ffn))
+
+
 def test_only_plain_dense_passes_run_in_the_decoder_graph(smollm2):
     """Dense settings claim the pass and count a dense outcome per layer (untimed); the walk, and dense settings
     under an INSERT override, run layer by layer."""
