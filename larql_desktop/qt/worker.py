@@ -25,17 +25,16 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.model.generation import TokenStep
 from larql_desktop.engine.cache.l3 import L3Store
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.loading import LoadedModel, load_model
-from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.session import ChatSession, ReplyStream
 from larql_desktop.qt import engine_jobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
@@ -358,7 +357,7 @@ class EngineWorker(QObject):
             server.stop()
             log.info("HTTP API on %s stopped", server.url)
 
-    def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
+    def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: ReplyStream,
                 cancel: threading.Event, prompt: str | None) -> None:
         self.reply_started.emit(ReplyStarted(request_id, session_id, prompt))
         self._active_session = session_id
@@ -393,10 +392,8 @@ class EngineWorker(QObject):
         finally:
             if held:
                 self.tokens.emit(tuple(held))
-            close = getattr(steps, "close", None)
-            if close:
-                close()   # lets the session store the reply (and any held-back UTF-8 tail)
-            text = session.messages[-1]["content"] if session.messages else ""
+            steps.close()   # ends the reply: its final text (any held-back UTF-8 tail included) is settled
+            text = steps.text
             counts = cache_counts(before, engine.session_snapshot(session))
             self.reply_finished.emit(ReplyFinished(request_id, session_id, text, stats.finish(outcome, counts)))
             self._emit_stats()
