@@ -26,6 +26,14 @@ ROLES = ("user", "assistant")
 PREFILL_CHUNK = 64
 
 
+def checked_messages(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """A saved conversation's (role, content) pairs, or ValueError naming the first that is not a chat turn."""
+    for role, content in messages:
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f"a saved chat message has role {role!r}; expected one of {', '.join(ROLES)}")
+    return tuple((role, content) for role, content in messages)
+
+
 class ReplyStream:
     """A reply being generated: iterating it runs the model a token at a time (TokenSteps); `close()` ends it
     early. `text` is the reply as the session stored it, final (with any held-back UTF-8 tail or stop-string
@@ -88,13 +96,12 @@ class ChatSession:
     def restore(self, messages: Sequence[tuple[str, str]], system_prompt: str | None = None) -> None:
         """Continue a saved conversation: the messages (role, content) and system prompt become this session's.
         The KV cache keeps whatever prefix still matches, so continuing the live chat costs nothing."""
-        restored = []
-        for role, content in messages:
-            if role not in ROLES or not isinstance(content, str):
-                raise ValueError(f"a saved chat message has role {role!r}; expected one of {', '.join(ROLES)}")
-            restored.append({"role": role, "content": content})
-        self.messages[:] = restored
+        self.messages[:] = [{"role": role, "content": content} for role, content in checked_messages(messages)]
         self.system_prompt = system_prompt
+
+    def transcript(self) -> tuple[tuple[str, str], ...]:
+        """The conversation as (role, content) pairs: what `restore` takes back (on another model, say)."""
+        return tuple((m["role"], m["content"]) for m in self.messages)
 
     def conversation(self, messages: list[dict] | None = None) -> list[dict]:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""

@@ -434,6 +434,8 @@ class MainWindow(QMainWindow):
             log.info("chat %s has unusable sampling settings (%s); using the defaults", chat_id, exc)
             sampling = SamplingSettings()
         tab = self._add_tab(chat.id, chat.title, sampling, chat.system_prompt)
+        # The engine's session holds the conversation from here on; the transcript only shows it.
+        self.client.open_chat(chat.id, tuple((m.role, m.content) for m in chat.messages), chat.system_prompt)
         for message in chat.messages:
             tab.transcript.add_restored(message.role, message.content, message.complete)
             tab.transcript.last.tokens = list(message.tokens)   # the token view works on saved replies too
@@ -532,6 +534,7 @@ class MainWindow(QMainWindow):
         if tab is None:
             return
         tab.system_prompt = self.sampling.chat_system_prompt()
+        self.client.set_system_prompt(tab.session_id, tab.system_prompt)
         if tab.session_id > 0:
             self._store(self.chats.set_system_prompt, tab.session_id, tab.system_prompt)
 
@@ -676,8 +679,7 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings,
-                                    history=tab.transcript.messages(), system_prompt=tab.system_prompt)
+            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings)
 
     @Slot()
     def regenerate(self) -> None:
@@ -686,8 +688,7 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.regenerate(tab.session_id, settings, history=tab.transcript.messages(),
-                                   system_prompt=tab.system_prompt)
+            self.client.regenerate(tab.session_id, settings)
 
     @Slot()
     def stop(self) -> None:

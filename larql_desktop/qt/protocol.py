@@ -38,11 +38,6 @@ class SendPrompt:
     # behind the generation loop it is meant to interrupt. One per request, so a Stop can never leak
     # into the next reply.
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-    # The chat as the window holds it, (role, content) before this prompt, and its system prompt (None: the
-    # template's default): the worker's session follows them, so a saved chat continues where it stopped.
-    # history None: the session's own messages are used as they are.
-    history: tuple[tuple[str, str], ...] | None = None
-    system_prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,8 +46,23 @@ class Regenerate:
     session_id: int
     settings: SamplingSettings
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-    history: tuple[tuple[str, str], ...] | None = None   # including the reply to regenerate
-    system_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class OpenChat:
+    """A saved chat opened in the window: its conversation becomes the session's, once, and from then on the
+    session holds it (the window never sends it again; a model change carries it over)."""
+    request_id: int
+    session_id: int
+    messages: tuple[tuple[str, str], ...]   # (role, content), user and assistant turns
+    system_prompt: str | None = None        # None: the chat template's default
+
+
+@dataclass(frozen=True)
+class SetSystemPrompt:
+    request_id: int
+    session_id: int
+    system_prompt: str | None
 
 
 @dataclass(frozen=True)

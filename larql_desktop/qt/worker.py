@@ -34,7 +34,7 @@ from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.l3 import L3Store
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.loading import LoadedModel, load_model
-from larql_desktop.engine.session import ChatSession, ReplyStream
+from larql_desktop.engine.session import ChatSession, ReplyStream, checked_messages
 from larql_desktop.qt import engine_jobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
@@ -42,7 +42,8 @@ from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
 from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.engine.patches import insert as inserting
 from larql_desktop.engine.services import DEFAULT_API_HOST
-from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.qt.protocol import (ClearCaches, CloseSession, OpenChat, SetSystemPrompt, ConfigureCache, EngineActivity, ErrorReport,
                                        InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbeFact, ProbePrompt,
                                        Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
                                        SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
@@ -99,6 +100,9 @@ class EngineWorker(QObject):
         self.model: LoadedModel | None = None
         self.engine: LarqlEngine | None = None
         self.sessions: dict[int, ChatSession] = {}
+        # Conversations without a session yet (opened before a model loaded, or carried over a model change):
+        # the session made for that chat starts from it.
+        self._waiting: dict[int, tuple[tuple[tuple[str, str], ...], str | None]] = {}
         self.cache_settings = CacheSettings()   # applied to the next model's engine too
         self._engine_ids = itertools.count(1)
         self._engine_id = 0
@@ -107,6 +111,8 @@ class EngineWorker(QObject):
             LoadModel: self._load_model,
             SendPrompt: self._send_prompt,
             Regenerate: self._regenerate,
+            OpenChat: self._open_chat,
+            SetSystemPrompt: self._set_system_prompt,
             CloseSession: self._close_session,
             ConfigureCache: self._configure_cache,
             ClearCaches: self._clear_caches,
@@ -194,6 +200,8 @@ class EngineWorker(QObject):
         self._unsubscribe = engine.subscribe(lambda event: self._on_engine_event(engine, event))
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
+        for session_id, session in self.sessions.items():   # the conversations continue on the new model
+            self._waiting[session_id] = (session.transcript(), session.system_prompt)
         self.sessions.clear()
         self._active_session = None
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
@@ -215,6 +223,9 @@ class EngineWorker(QObject):
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
+            waiting = self._waiting.pop(session_id, None)
+            if waiting is not None:
+                session.restore(*waiting)
         return session
 
     def _on_engine_event(self, engine: LarqlEngine, event) -> None:
@@ -233,24 +244,34 @@ class EngineWorker(QObject):
             self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
                                                     self.sessions.get(session_id)))
 
-    def _followed_session(self, request: SendPrompt | Regenerate) -> ChatSession:
-        """The request's session, holding the chat the window sent (a saved chat, or one after a model change)."""
-        session = self._session(request.session_id)
-        if request.history is not None:
-            session.restore(request.history, request.system_prompt)
-        return session
+    def _open_chat(self, request: OpenChat) -> None:
+        conversation = (checked_messages(request.messages), request.system_prompt)   # refused: nothing changes
+        session = self.sessions.get(request.session_id)
+        if session is not None:
+            session.restore(*conversation)
+        else:
+            self._waiting[request.session_id] = conversation
+
+    def _set_system_prompt(self, request: SetSystemPrompt) -> None:
+        session = self.sessions.get(request.session_id)
+        if session is not None:
+            session.system_prompt = request.system_prompt
+        else:
+            messages, _ = self._waiting.get(request.session_id, ((), None))
+            self._waiting[request.session_id] = (messages, request.system_prompt)
 
     def _send_prompt(self, request: SendPrompt) -> None:
-        session = self._followed_session(request)
+        session = self._session(request.session_id)
         steps = session.reply(request.text, request.settings)   # refuses bad prompts before changing anything
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, request.text)
 
     def _regenerate(self, request: Regenerate) -> None:
-        session = self._followed_session(request)
+        session = self._session(request.session_id)
         steps = session.regenerate(request.settings)
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, None)
 
     def _close_session(self, request: CloseSession) -> None:
+        self._waiting.pop(request.session_id, None)
         session = self.sessions.pop(request.session_id, None)
         if session is not None and self.engine is not None:
             self.engine.close_session(session)
@@ -497,13 +518,20 @@ class EngineClient(QObject):
         self.busy_changed.emit()
         return request.request_id
 
-    def send_prompt(self, session_id: int, text: str, settings, history=None, system_prompt=None) -> int:
-        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings,
-                                      history=history, system_prompt=system_prompt))
+    def open_chat(self, session_id: int, messages: tuple[tuple[str, str], ...], system_prompt: str | None) -> int:
+        """Hand a saved chat's conversation to its session (once: the session holds it from then on)."""
+        request = OpenChat(self.next_request_id(), session_id, tuple(messages), system_prompt)
+        self.submit(request)
+        return request.request_id
 
-    def regenerate(self, session_id: int, settings, history=None, system_prompt=None) -> int:
-        return self._start(Regenerate(self.next_request_id(), session_id, settings,
-                                      history=history, system_prompt=system_prompt))
+    def set_system_prompt(self, session_id: int, system_prompt: str | None) -> None:
+        self.submit(SetSystemPrompt(self.next_request_id(), session_id, system_prompt))
+
+    def send_prompt(self, session_id: int, text: str, settings: SamplingSettings) -> int:
+        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings))
+
+    def regenerate(self, session_id: int, settings: SamplingSettings) -> int:
+        return self._start(Regenerate(self.next_request_id(), session_id, settings))
 
     def _start(self, request: SendPrompt | Regenerate) -> int:
         if self._generation is not None:
