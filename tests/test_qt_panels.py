@@ -66,6 +66,12 @@ def test_the_same_prompt_in_a_new_chat_hits_the_shared_l2_and_the_monitor_shows_
     assert len(monitor.model.hit_rate) > 0
     assert np.nanmax(monitor.model.hit_rate.column("L2")) > 0.5
     assert "All chats" in monitor.summary.text()
+    # The KV prefix cache's figures beside the FFN tiers: both chats' prompts asked it, as the engine counts them.
+    prefix = event.prefix_cache
+    assert prefix is not None and prefix.lookups >= 2 and prefix.hits + prefix.misses == prefix.lookups
+    assert prefix.max_bytes == loaded.client.worker.engine.prefix_cache.max_bytes
+    assert qt_cache_monitor.prefix_cache_text(prefix) in monitor.summary.text()
+    assert f"{prefix.reused_tokens} token{'' if prefix.reused_tokens == 1 else 's'} reused" in monitor.summary.text()
 
     # Regenerating in the same chat finds the reply in its own L1.
     with qtbot.waitSignal(loaded.client.reply_finished, timeout=REPLY_TIMEOUT) as again:

@@ -21,7 +21,8 @@ def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
     return CacheStatsEvent(engine_id, time.monotonic(), session_id, engine.snapshot(),
                            engine.session_snapshot(session) if session is not None else None,
                            tuple(engine.patches.overridden_layers), engine.settings,
-                           engine.model.config.n_layers, engine.l3.status() if engine.l3 is not None else None)
+                           engine.model.config.n_layers, engine.l3.status() if engine.l3 is not None else None,
+                           engine.prefix_cache.stats())
 
 
 def patches_changed(event: EnginePatchesChanged) -> PatchesChanged:

@@ -14,6 +14,7 @@ from larql_desktop.engine.cache.stats import StatsSnapshot
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
 from larql_desktop.engine.model.outcomes import LayerOutcome
+from larql_desktop.engine.model.prefix_cache import PrefixCacheStats
 from larql_desktop.engine.patches.summary import PatchSummary
 from larql_desktop.engine.services import FactProbe
 from larql_desktop.qt.reply_stats import ReplyStats
@@ -237,6 +238,7 @@ class CacheStatsEvent:
     settings: CacheSettings
     n_layers: int
     l3_status: dict | None = None   # L3Store.status() (backend, where, errors…); None: no L3 store attached
+    prefix_cache: PrefixCacheStats | None = None   # the engine's KV prefix cache (shared prompts' attention KV)
 
 
 @dataclass(frozen=True)
