@@ -18,7 +18,6 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from larql_desktop.qt import qt_cache_monitor  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.engine.patches.applied import AppliedPatchStore  # noqa: E402
-from larql_desktop.qt.protocol import InsertCancelled, InsertProgress  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.catalog import DEFAULT_MODEL  # noqa: E402
@@ -83,7 +82,7 @@ def test_the_same_prompt_in_a_new_chat_hits_the_shared_l2_and_the_monitor_shows_
 def test_insert_changes_the_probe_and_a_reply_bypasses_exactly_that_layer(loaded, qtbot, tmp_path):
     editor = loaded.patch_editor
     progress = []
-    loaded.client.event.connect(lambda e: progress.append(e) if isinstance(e, InsertProgress) else None)
+    loaded.client.insert_progress.connect(lambda e: progress.append(e))
     qtbot.keyClicks(editor.entity, "Atlantis")
     qtbot.keyClicks(editor.relation, "capital-of")
     qtbot.keyClicks(editor.target, "Poseidon")
@@ -234,7 +233,7 @@ def test_closing_mid_insert_joins_the_engine_thread(window, qtbot):  # noqa: F81
         window.load_model("smollm2")
     editor = window.patch_editor
     progress = []
-    window.client.event.connect(lambda e: progress.append(e) if isinstance(e, InsertProgress) else None)
+    window.client.insert_progress.connect(lambda e: progress.append(e))
     editor.entity.setText("Atlantis")
     editor.relation.setText("capital-of")
     editor.target.setText("Poseidon")
@@ -434,9 +433,8 @@ def test_an_insert_can_be_cancelled_and_applies_nothing(loaded, qtbot):
     editor.relation.setText("capital-of")
     editor.target.setText("Poseidon")
     # Cancel at the first progress report: the INSERT stops at its next step.
-    loaded.client.event.connect(lambda e: editor.cancel_insert() if isinstance(e, InsertProgress) else None)
-    with qtbot.waitSignal(loaded.client.event, timeout=INSERT_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, InsertCancelled)):
+    loaded.client.insert_progress.connect(lambda e: editor.cancel_insert())
+    with qtbot.waitSignal(loaded.client.insert_cancelled, timeout=INSERT_TIMEOUT):
         qtbot.mouseClick(editor.insert_button, Qt.LeftButton)
         assert editor.cancel_button.isVisible()
     qtbot.waitUntil(lambda: not editor.busy, timeout=10_000)

@@ -136,7 +136,7 @@ class MainWindow(QMainWindow):
         # HTTP clients move the statistics while the window sits idle: the worker forwards the engine's events
         # and the window asks for one snapshot at a time (patch changes arrive as events of their own).
         self._stats_outstanding = False
-        client.event.connect(self._on_engine_activity)
+        client.engine_activity.connect(self._on_engine_activity)
         client.stats.connect(self._on_stats_arrived)
 
         client.model_loaded.connect(self._on_model_loaded)
@@ -865,8 +865,8 @@ class MainWindow(QMainWindow):
         self._on_server_changed()
 
     @Slot(object)
-    def _on_engine_activity(self, event) -> None:
-        if isinstance(event, EngineActivity) and not self._stats_outstanding and self.client.ready:
+    def _on_engine_activity(self, _event: EngineActivity) -> None:
+        if not self._stats_outstanding and self.client.ready:
             self._stats_outstanding = True
             self._on_current_chat_changed()
 
