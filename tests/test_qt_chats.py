@@ -20,6 +20,7 @@ from larql_desktop.engine.model.generation import SamplingSettings  # noqa: E402
 from larql_desktop.engine.model.transformer import KvCache  # noqa: E402
 from larql_desktop.engine.paths import AppPaths  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
+from larql_desktop.qt.chat_controller import Chat  # noqa: E402
 from larql_desktop.qt.qt_chat_tab import ChatTab  # noqa: E402
 from larql_desktop.qt.reply_stats import COMPLETE, ReplyStats  # noqa: E402
 from larql_desktop.qt.transcript import ASSISTANT, INTERRUPTED_NOTE, USER  # noqa: E402
@@ -180,7 +181,7 @@ def test_markdown_replies_copy_and_export(make_window, qtbot, tmp_path):
     # Markdown rendering, on a finished reply whose text the test fixes: what the model writes differs between
     # hosts' kernels, so whether it opens a code block is not the test's to assume.
     source = "Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n"
-    shown_tab = ChatTab(99, "Markdown", [])
+    shown_tab = ChatTab(Chat(99, "Markdown", SamplingSettings(), None), [])
     qtbot.addWidget(shown_tab)
     shown_tab.transcript.add_user("Add two numbers.")
     shown_tab.transcript.start_reply()
