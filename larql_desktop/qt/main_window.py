@@ -1,5 +1,6 @@
 """The main window: chat tabs, model picker, the tool panels (sampling, saved chats, tokens, cache monitor, patch
-editor), status. Wiring and layout; the engine is elsewhere.
+editor), status. Wiring and layout: the engine is in the worker, the chats' flow in the chat controller
+(qt/chat_controller.py), whose chats the tabs render.
 
 Every chat is saved as it happens (engine/chats.py, a SQLite file under the user data dir); the chats open when
 the app closed open again on launch, and the Chats panel lists, searches, renames and deletes the others."""
