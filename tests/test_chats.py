@@ -12,7 +12,7 @@ from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, F
                                         chat_to_markdown)
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.session import ChatSession
-from larql_desktop.engine.model.stops import StopStringDecoder
+from larql_desktop.engine.model.stops import MAX_STOP_LENGTH, MAX_STOP_STRINGS, StopStringDecoder
 from larql_desktop.engine.model.generation import PRESETS, Sampler, SamplingSettings, apply_preset, preset_of
 from larql_desktop.engine.model.transformer import KvCache
 
@@ -157,8 +157,9 @@ def test_sampling_settings_are_validated_and_round_trip():
     assert s.stop == ("\n\n", "User:")
     assert SamplingSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     for bad, message in [(dict(top_k=-1), "top-k"), (dict(min_p=1.5), "min-p"), (dict(repeat_penalty=0), "repeat"),
-                         (dict(stop=("",)), "stop string"), (dict(stop="END"), "list of strings"),
-                         (dict(stop=tuple("abcdefghijklmnopq")), "at most"), (dict(seed=-3), "seed"),
+                         (dict(stop=("",)), "non-empty"), (dict(stop="END"), "list of strings"),
+                         (dict(stop=tuple("abcde")), f"up to {MAX_STOP_STRINGS}"),
+                         (dict(stop=("x" * (MAX_STOP_LENGTH + 1),)), f"at most {MAX_STOP_LENGTH}"), (dict(seed=-3), "seed"),
                          (dict(max_tokens=0), "max tokens")]:
         with pytest.raises(ValueError, match=message):
             SamplingSettings(**bad)

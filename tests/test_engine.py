@@ -81,14 +81,23 @@ def _reply_agrees_with_an_independent_run(model, prompt, n):
     is asserted: replies differ between AVX2 and AVX-512 hosts at near-ties."""
     session = ChatSession(model)
     ids = model.encode_prompt(session.conversation([{"role": "user", "content": prompt}]))
-    steps = list(session.reply(prompt, SamplingSettings(max_tokens=n)))
+    stream = session.reply(prompt, SamplingSettings(max_tokens=n))
+    steps = list(stream)
     text = "".join(s.text for s in steps)
+    assert stream.ended and stream.text == text   # the reply hands back its final text
     expected, margins = _greedy_with_margins(model, ids, len(steps))
     clear = next((i for i, m in enumerate(margins) if m < 0.5), len(margins))
     assert clear >= 4, margins
     assert [s.token_id for s in steps][:clear] == expected[:clear]
     assert text and session.messages[-1] == {"role": "assistant", "content": text}
     assert text == model.tokenizer.decode([s.token_id for s in steps if not s.is_stop])
+    # Stopped after two tokens: the result is what the session kept, no more.
+    stopped = session.reply(prompt, SamplingSettings(max_tokens=n))
+    first_two = [next(stopped), next(stopped)]
+    assert not stopped.ended
+    stopped.close()
+    assert stopped.ended and stopped.text.startswith("".join(s.text for s in first_two))
+    assert session.messages[-1] == {"role": "assistant", "content": stopped.text}
 
 
 def test_chat_answers_a_clear_question(smollm2):

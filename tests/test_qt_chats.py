@@ -20,6 +20,7 @@ from larql_desktop.engine.model.generation import SamplingSettings  # noqa: E402
 from larql_desktop.engine.model.transformer import KvCache  # noqa: E402
 from larql_desktop.engine.paths import AppPaths  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
+from larql_desktop.qt.chat_controller import Chat  # noqa: E402
 from larql_desktop.qt.qt_chat_tab import ChatTab  # noqa: E402
 from larql_desktop.qt.reply_stats import COMPLETE, ReplyStats  # noqa: E402
 from larql_desktop.qt.transcript import ASSISTANT, INTERRUPTED_NOTE, USER  # noqa: E402
@@ -128,6 +129,24 @@ def test_a_chat_survives_a_restart_with_its_system_prompt_and_settings(make_wind
     assert [m.role for m in again.chats.load(chat_id).messages] == [USER, ASSISTANT, USER, ASSISTANT]
 
 
+def test_the_engine_session_holds_the_conversation_across_a_model_change(make_window, qtbot):
+    """The window sends only the new prompt: the engine's session holds the chat (carried to the new engine when
+    the model is loaded again) and each reply hands back the text the session stored."""
+    win = make_window()
+    tab = win.current_tab()
+    first = send(qtbot, win, "Name a colour.")
+    old_session = win.client.worker.sessions[tab.session_id]
+    with qtbot.waitSignal(win.client.model_loaded, timeout=LOAD_TIMEOUT):
+        win.load_model(DEFAULT_MODEL)                          # a new engine: its sessions are new ones
+    assert "Model changed" in tab.transcript.turns[-1].text
+    second = send(qtbot, win, "And another?")
+    session = win.client.worker.sessions[tab.session_id]
+    assert session is not old_session
+    assert session.transcript() == ((USER, "Name a colour."), (ASSISTANT, first.text),
+                                    (USER, "And another?"), (ASSISTANT, second.text))
+    assert tab.transcript.messages() == session.transcript()   # what the window shows is what the model saw
+
+
 def test_chats_panel_lists_searches_renames_and_deletes(make_window, qtbot):
     win = make_window()
     send(qtbot, win, "Name a fruit.", max_tokens=4)
@@ -162,7 +181,7 @@ def test_markdown_replies_copy_and_export(make_window, qtbot, tmp_path):
     # Markdown rendering, on a finished reply whose text the test fixes: what the model writes differs between
     # hosts' kernels, so whether it opens a code block is not the test's to assume.
     source = "Here it is:\n\n```python\ndef add(a, b):\n    return a + b\n```\n"
-    shown_tab = ChatTab(99, "Markdown", [])
+    shown_tab = ChatTab(Chat(99, "Markdown", SamplingSettings(), None), [])
     qtbot.addWidget(shown_tab)
     shown_tab.transcript.add_user("Add two numbers.")
     shown_tab.transcript.start_reply()

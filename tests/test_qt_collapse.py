@@ -17,9 +17,6 @@ from larql_desktop.engine.analysis.collapse import COMPUTATION  # noqa: E402
 from larql_desktop.engine.analysis.features import DEFAULT_TOP_N, feature_view  # noqa: E402
 from larql_desktop.engine.cache.near_miss import COSINE_EDGES, OVERLAP_EDGES  # noqa: E402
 from larql_desktop.engine.cache.keys import default_top_k  # noqa: E402
-from larql_desktop.qt.qt_collapse_lab import CollapseProgress  # noqa: E402
-from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
-from larql_desktop.qt.qt_frontier import FrontierProgress  # noqa: E402
 from test_qt_app import LOAD_TIMEOUT, REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 from test_qt_panels import wait_for_stats  # noqa: E402
 
@@ -36,8 +33,7 @@ def start_lab(win, prompts, top_k=0) -> list[tuple[int, int, str]]:
     assert lab.run_button.isEnabled() and not lab.stop_button.isEnabled()
     progress = []
     # Connected after the lab: the status line has taken the event when this runs.
-    win.client.event.connect(lambda e: progress.append((e.captured, e.total, lab.status.text()))
-                             if isinstance(e, CollapseProgress) else None)
+    win.client.collapse_progress.connect(lambda e: progress.append((e.captured, e.total, lab.status.text())))
     lab.run_button.click()
     assert lab.busy and not lab.run_button.isEnabled() and lab.stop_button.isEnabled()
     return progress
@@ -147,8 +143,7 @@ def test_clicking_a_lab_layer_row_shows_the_feature_view_of_prompt_a_or_b(loaded
     item = lab.table.item(layer, 0)
     lab.table.scrollToItem(item)
     cell = lab.table.visualItemRect(item).center()
-    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+    with qtbot.waitSignal(loaded.client.features_shown, timeout=REPLY_TIMEOUT):
         qtbot.mouseClick(lab.table.viewport(), Qt.LeftButton, pos=cell)
     features = lab.features
     table = features.table
@@ -163,8 +158,7 @@ def test_clicking_a_lab_layer_row_shows_the_feature_view_of_prompt_a_or_b(loaded
     assert [int(table.item(r, 0).text()) for r in range(DEFAULT_TOP_N)] == [r.feature for r in view.rows]
     # Prompt B of the same pair, same layer.
     assert lab.feature_prompt.count() == 2
-    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+    with qtbot.waitSignal(loaded.client.features_shown, timeout=REPLY_TIMEOUT):
         lab.feature_prompt.setCurrentIndex(1)
     other = features.view
     assert other.layer == layer and other.token_id == report.token_ids[1][-1]
@@ -255,7 +249,7 @@ def test_frontier_view_runs_on_the_prompts_and_draws_the_bound(loaded, qtbot):
     frontier.widths.setText("K,64,8,1")
     frontier.taus.setText("off,0.999,0.995,0.99")
     progress = []
-    loaded.client.event.connect(lambda e: progress.append(e) if isinstance(e, FrontierProgress) else None)
+    loaded.client.frontier_progress.connect(lambda e: progress.append(e))
     frontier.run_button.click()
     qtbot.waitUntil(lambda: len(progress) >= 1 or not frontier.busy, timeout=REPLY_TIMEOUT)
     frontier.stop_button.click()

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt  # noqa: E402
 
 import test_qt_chats as chats  # noqa: E402
 from larql_desktop.engine.analysis.features import feature_view  # noqa: E402
-from larql_desktop.qt.qt_feature_view import FeaturesResult, ShowFeatures  # noqa: E402
+from larql_desktop.qt.protocol import ShowFeatures  # noqa: E402
 
 # The chat tests' window fixtures and helpers (a fixture is found by its name in this module).
 home, make_window, send, REPLY_TIMEOUT = chats.home, chats.make_window, chats.send, chats.REPLY_TIMEOUT
@@ -27,8 +27,7 @@ def test_clicking_a_layer_row_fills_the_feature_table_with_the_engines_answer(ma
     table = view.features.table
     assert table.rowCount() == 0
     cell = view.layers.visualItemRect(view.layers.item(LAYER, 0)).center()
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+    with qtbot.waitSignal(win.client.features_shown, timeout=REPLY_TIMEOUT):
         qtbot.mouseClick(view.layers.viewport(), Qt.LeftButton, pos=cell)
     assert view.features.layer.value() == LAYER
     assert table.rowCount() == 20
@@ -42,8 +41,7 @@ def test_clicking_a_layer_row_fills_the_feature_table_with_the_engines_answer(ma
     assert [table.item(r, 2).text() == "yes" for r in range(20)] == [r.in_key for r in expected.rows]
     assert f"{expected.key_hash:016x}" in view.features.status.text()
     # The layer selector asks again for another layer of the same token.
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)):
+    with qtbot.waitSignal(win.client.features_shown, timeout=REPLY_TIMEOUT):
         view.features.layer.setValue(LAYER + 1)
     assert view.features.view.layer == LAYER + 1
     assert table.item(0, 0).text() == str(feature_view(worker.engine, ids, LAYER + 1).rows[0].feature)

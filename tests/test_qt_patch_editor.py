@@ -16,7 +16,6 @@ from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill  # noqa: E
 from larql_desktop.engine.model.overlay import PatchOverlay  # noqa: E402
 from larql_desktop.engine.services import CHAT_PROBE_TOKENS  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
-from larql_desktop.qt.protocol import FactProbed  # noqa: E402
 from larql_desktop.qt.qt_patch_editor import FACT_PROBE_COLUMNS, paraphrase_lines  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
@@ -124,8 +123,7 @@ def test_an_insert_with_paraphrases_shows_the_fact_probe_table_and_the_chat_answ
     editor.remove_selected()
     qtbot.waitUntil(lambda: not editor.busy and editor.patch_list.topLevelItemCount() == 0, timeout=REPLY_TIMEOUT)
     assert editor.fact_probe_button.isEnabled()
-    with qtbot.waitSignal(loaded.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FactProbed)):
+    with qtbot.waitSignal(loaded.client.fact_probed, timeout=REPLY_TIMEOUT):
         qtbot.mouseClick(editor.fact_probe_button, Qt.LeftButton)
     qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
     again = editor.last_fact_probes

@@ -79,10 +79,37 @@ def test_requests_and_snapshots_are_frozen():
 
 def test_plain_modules_of_the_qt_package_do_not_import_qt():
     code = ("import sys; import larql_desktop.qt.protocol, larql_desktop.qt.reply_stats, "
-            "larql_desktop.qt.transcript, larql_desktop.qt.cache_monitor_model, larql_desktop.qt.engine_jobs; "
+            "larql_desktop.qt.transcript, larql_desktop.qt.cache_monitor_model, larql_desktop.qt.engine_jobs, "
+            "larql_desktop.qt.lab_jobs; "
             "print(any(m.startswith('PySide6') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_every_request_has_a_label_and_a_handler_and_every_answer_a_signal_of_its_own(tmp_path):
+    """The protocol is typed end to end: requests are named to the user by their label (errors are routed by id),
+    the worker's one table handles every request (the labs' too), and each answer has its own client signal."""
+    pytest.importorskip("PySide6")
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.qt import protocol
+    from larql_desktop.qt.worker import EngineClient, EngineWorker
+
+    types = [t for t in vars(protocol).values() if isinstance(t, type) and dataclasses.is_dataclass(t)
+             and t.__module__ == protocol.__name__]
+    requests = [t for t in types if "label" in vars(t)]
+    streams = {protocol.ModelInfo, protocol.ReplyStarted, protocol.TokenEvent, protocol.ReplyFinished,
+               protocol.ErrorReport, protocol.CacheStatsEvent}   # each with a signal of its own already
+    assert len(requests) >= 20 and all(isinstance(t.label, str) and t.label for t in requests)
+    assert set(types) == set(requests) | set(protocol.ANSWERS) | streams   # nothing unrouted
+    assert not set(requests) & set(protocol.ANSWERS)
+    worker = EngineWorker(AppPaths(tmp_path / "d", tmp_path / "c", tmp_path / "l", tmp_path / "g"))
+    assert set(worker._handlers) == set(requests)
+    assert not hasattr(worker, "register_handler")
+    names = list(protocol.ANSWERS.values())
+    assert len(set(names)) == len(names)
+    client_signals = {name for name in names if isinstance(getattr(EngineClient, name, None), type(EngineClient.error))}
+    assert client_signals == set(names)
+    assert not isinstance(getattr(EngineClient, "answer", None), type(EngineClient.error))   # no catch-all signal
 
 
 def test_stored_sampling_falls_back_to_defaults():

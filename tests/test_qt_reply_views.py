@@ -16,10 +16,8 @@ from PySide6.QtGui import QTextCursor  # noqa: E402
 from larql_desktop.engine.analysis.reply_pass import Cell, cell_of  # noqa: E402
 from larql_desktop.engine.model.overlay import Patch, PatchOperation  # noqa: E402
 from larql_desktop.qt import token_shading  # noqa: E402
-from larql_desktop.qt.protocol import PatchesChanged  # noqa: E402
 from larql_desktop.qt.qt_chat_tab import TOKEN_PROPERTY  # noqa: E402
-from larql_desktop.qt.qt_feature_view import FeaturesResult  # noqa: E402
-from larql_desktop.qt.qt_reply_views import CELL_COLOURS, LensResult, ReplyAnalysed  # noqa: E402
+from larql_desktop.qt.qt_reply_views import CELL_COLOURS  # noqa: E402
 from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
 
 PROMPT = "How many legs does a spider have?"
@@ -121,13 +119,12 @@ def test_the_reply_map_shows_the_recorded_outcomes_insert_fired_and_opens_a_cell
     win = loaded
     path = tmp_path / "firing.json"
     firing_patch(win).save(path)
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, PatchesChanged) and e.patched_layers):
+    with qtbot.waitSignal(win.client.patches_shown, timeout=REPLY_TIMEOUT,
+                          check_params_cb=lambda e: e.change.overridden_layers):
         win.patch_editor.load_file(path)
     win.reply_map_dock.show()
     win.reply_map_dock.raise_()
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, ReplyAnalysed)):
+    with qtbot.waitSignal(win.client.reply_analysed, timeout=REPLY_TIMEOUT):
         send(qtbot, win, PROMPT, max_tokens=8)
     qtbot.waitUntil(lambda: win.reply_map.fired is not None, timeout=REPLY_TIMEOUT)
     turn = win.current_tab().transcript.replies()[-1]
@@ -152,8 +149,7 @@ def test_the_reply_map_shows_the_recorded_outcomes_insert_fired_and_opens_a_cell
     token, layer = 1, 7
     target = win.reply_map.plot.vb.mapViewToScene(QPointF(token + 0.5, layer + 0.5))
     widget_point = win.reply_map.plot_widget.mapFromScene(target)
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)) as answered:
+    with qtbot.waitSignal(win.client.features_shown, timeout=REPLY_TIMEOUT) as answered:
         qtbot.mouseClick(win.reply_map.plot_widget.viewport(), Qt.LeftButton, pos=widget_point)
     assert win.token_view.tokens.currentRow() == token
     assert answered.args[0].view.layer == layer and answered.args[0].view.position == turn.tokens[token].position
@@ -170,8 +166,7 @@ def test_the_logit_lens_ends_at_the_models_own_prediction_and_features_show_prom
     turn = win.current_tab().transcript.replies()[-1]
     win.show_tokens(win.current_tab(), win.current_tab().transcript.turns.index(turn), 2)
     event = turn.tokens[2]
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, LensResult)) as answered:
+    with qtbot.waitSignal(win.client.lens_shown, timeout=REPLY_TIMEOUT) as answered:
         win.token_view.show_lens()
     lens = answered.args[0].lens
     table = win.token_view.lens.table
@@ -186,8 +181,7 @@ def test_the_logit_lens_ends_at_the_models_own_prediction_and_features_show_prom
     assert set(last.top_ids[:2]) <= set(own)
 
     # The feature table shows each feature's promoted tokens.
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FeaturesResult)) as answered:
+    with qtbot.waitSignal(win.client.features_shown, timeout=REPLY_TIMEOUT) as answered:
         win.token_view.show_features(5)
     result = answered.args[0]
     features = win.token_view.features

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QAbstractScrollArea, QDockWidget, QTabBar  # noqa:
 from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.qt_cache_monitor import MIN_TIME_SPAN_S  # noqa: E402
-from larql_desktop.qt.protocol import FactProbed, InsertCancelled, InsertProgress, ProbeFact  # noqa: E402
+from larql_desktop.qt.protocol import ProbeFact  # noqa: E402
 from larql_desktop.qt.qt_patch_editor import FACT_PROBE_COLUMNS, header_text_width  # noqa: E402
 from larql_desktop.qt.worker import EngineClient  # noqa: E402
 from test_qt_app import REPLY_TIMEOUT, loaded, send, settings_file, window  # noqa: E402,F401
@@ -49,8 +49,7 @@ def test_at_1280x800_and_1920x1080_the_fact_probe_reads_and_nothing_scrolls_side
     # A real fact probe of a fact (no INSERT needed: before and after are then the same continuations).
     editor.last_fact = ProbeFact(0, "Atlantis", "capital-of", "Poseidon", PARAPHRASES)
     editor._update_enabled()
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, FactProbed)) as probed:
+    with qtbot.waitSignal(win.client.fact_probed, timeout=REPLY_TIMEOUT) as probed:
         qtbot.mouseClick(editor.fact_probe_button, Qt.LeftButton)
     qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
     rows = probed.args[0].rows
@@ -79,16 +78,14 @@ def test_at_1280x800_and_1920x1080_the_fact_probe_reads_and_nothing_scrolls_side
     editor.entity.setText("Atlantis")
     editor.relation.setText("capital-of")
     editor.target.setText("Poseidon")
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, InsertProgress)):
+    with qtbot.waitSignal(win.client.insert_progress, timeout=REPLY_TIMEOUT):
         qtbot.mouseClick(editor.insert_button, Qt.LeftButton)
     assert editor.cancel_button.isVisible() and editor.progress.isVisible()
     win.app.processEvents()
     assert not editor.scroll.horizontalScrollBar().isVisible()
     cancel = editor.cancel_button.mapTo(editor.scroll.viewport(), editor.cancel_button.rect().topRight())
     assert 0 < cancel.x() <= editor.scroll.viewport().width()          # the button is whole, not cut off
-    with qtbot.waitSignal(win.client.event, timeout=REPLY_TIMEOUT,
-                          check_params_cb=lambda e: isinstance(e, InsertCancelled)):
+    with qtbot.waitSignal(win.client.insert_cancelled, timeout=REPLY_TIMEOUT):
         qtbot.mouseClick(editor.cancel_button, Qt.LeftButton)
     qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
 

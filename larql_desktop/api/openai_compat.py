@@ -51,11 +51,11 @@ from larql_desktop.engine.formats.chat_template import ChatTemplateError
 from larql_desktop.engine.formats.tokenizer import TextTooLong
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.logprobs import MAX_TOP_LOGPROBS
+from larql_desktop.engine.model.stops import checked_stop_strings
 
 log = logging.getLogger(__name__)
 
 OPENAI_PATHS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
-MAX_STOP_STRINGS = 4          # as the OpenAI API
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 DEFAULT_TEMPERATURE = 1.0     # the OpenAI API's default (the app's own chats default to greedy)
 DEFAULT_MAX_COMPLETIONS = 32  # sessions held at once by API requests (SmolLM2's KV cache: ~12 MB per 256 tokens)
@@ -195,8 +195,10 @@ def _sampling(req: _SamplingRequest, context_limit: int, prompt_tokens: int) -> 
     if not 0.0 <= top_p <= 1.0:
         raise ApiError(400, f"top_p must be between 0 and 1, not {top_p}", "top_p")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise ApiError(400, f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+    try:
+        stops = list(checked_stop_strings(stops))   # the limit every front-end shares
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "stop") from None
     seed = None if req.seed is None else req.seed % 2 ** 64      # any integer, as the OpenAI API takes
     fields = dict(max_tokens=max_tokens, temperature=float(temperature),
                   top_p=max(float(top_p), 1e-9),                  # 0: only the most likely token survives

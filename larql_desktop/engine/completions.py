@@ -111,8 +111,7 @@ class CompletionRun:
     def _tail(self) -> str:
         """Held-back UTF-8 bytes the session flushes when its generator closes."""
         self._steps.close()
-        content = self.session.messages[-1]["content"] if self.session.messages else ""
-        return content[len("".join(self._pieces)):]
+        return self._steps.text[len("".join(self._pieces)):]   # the reply's final text, as the session ended it
 
     def _emit(self, text: str) -> str:
         self._emitted.append(text)

@@ -26,6 +26,37 @@ ROLES = ("user", "assistant")
 PREFILL_CHUNK = 64
 
 
+def checked_messages(messages: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """A saved conversation's (role, content) pairs, or ValueError naming the first that is not a chat turn."""
+    for role, content in messages:
+        if role not in ROLES or not isinstance(content, str):
+            raise ValueError(f"a saved chat message has role {role!r}; expected one of {', '.join(ROLES)}")
+    return tuple((role, content) for role, content in messages)
+
+
+class ReplyStream:
+    """A reply being generated: iterating it runs the model a token at a time (TokenSteps); `close()` ends it
+    early. `text` is the reply as the session stored it, final (with any held-back UTF-8 tail or stop-string
+    prefix settled) once `ended`: the reply's result, so nobody has to read it back from the session's messages."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.ended = False
+        self._steps: Generator[TokenStep, None, None] | None = None
+
+    def __iter__(self) -> "ReplyStream":
+        return self
+
+    def __next__(self) -> TokenStep:
+        assert self._steps is not None
+        return next(self._steps)
+
+    def close(self) -> None:
+        """End the reply where it is (the session keeps what was generated); harmless once it has ended."""
+        assert self._steps is not None
+        self._steps.close()
+
+
 class ChatSession:
     def __init__(self, model: LoadedModel, ffn: FfnCall | None = None, l1: CacheTier | None = None,
                  stats: CacheStats | None = None, prefix_cache: PrefixCache | None = None,
@@ -65,20 +96,25 @@ class ChatSession:
     def restore(self, messages: Sequence[tuple[str, str]], system_prompt: str | None = None) -> None:
         """Continue a saved conversation: the messages (role, content) and system prompt become this session's.
         The KV cache keeps whatever prefix still matches, so continuing the live chat costs nothing."""
-        restored = []
-        for role, content in messages:
-            if role not in ROLES or not isinstance(content, str):
-                raise ValueError(f"a saved chat message has role {role!r}; expected one of {', '.join(ROLES)}")
-            restored.append({"role": role, "content": content})
-        self.messages[:] = restored
+        self.messages[:] = [{"role": role, "content": content} for role, content in checked_messages(messages)]
         self.system_prompt = system_prompt
+
+    def transcript(self) -> tuple[tuple[str, str], ...]:
+        """The conversation as (role, content) pairs: what `restore` takes back (on another model, say)."""
+        return tuple((m["role"], m["content"]) for m in self.messages)
 
     def conversation(self, messages: list[dict] | None = None) -> list[dict]:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
     def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                      ) -> Generator[TokenStep, None, None]:
+                      ) -> ReplyStream:
+        result = ReplyStream()
+        result._steps = self._reply_steps(ids, settings, logprobs, result)
+        return result
+
+    def _reply_steps(self, ids: list[int], settings: SamplingSettings, logprobs: int | None,
+                     result: ReplyStream) -> Generator[TokenStep, None, None]:
         tok = self.model.tokenizer
         decoder: StreamDecoder | StopStringDecoder = tok.stream_decoder()
         if settings.stop:
@@ -113,7 +149,8 @@ class ChatSession:
                 self.messages[-1]["content"] = "".join(reply)
                 yield step
         finally:
-            self.messages[-1]["content"] = "".join(reply) + decoder.flush()
+            result.text = self.messages[-1]["content"] = "".join(reply) + decoder.flush()
+            result.ended = True
 
     def prefill_steps(self, ids: list[int]) -> Generator[int, None, None]:
         """Run the prompt `ids` into the KV cache, one chunk of at most `prefill_chunk` positions per `next()`
@@ -167,7 +204,7 @@ class ChatSession:
     def _token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([token_id], special=True)
 
-    def reply(self, user_text: str, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
+    def reply(self, user_text: str, settings: SamplingSettings) -> ReplyStream:
         """Add a user turn and stream the assistant's reply. Nothing is added if the prompt is refused."""
         if not user_text.strip():
             raise ValueError("the prompt is empty: type something to send")
@@ -177,7 +214,7 @@ class ChatSession:
         return self._generate_for(ids, settings)
 
     def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                 ) -> Generator[TokenStep, None, None]:
+                 ) -> ReplyStream:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
         renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long.
         `logprobs` (0..20): each step carries its token's log probability and that many alternatives'."""
@@ -186,7 +223,7 @@ class ChatSession:
         self._check_fits(ids)
         return self._generate_for(list(ids), settings, logprobs)
 
-    def regenerate(self, settings: SamplingSettings) -> Generator[TokenStep, None, None]:
+    def regenerate(self, settings: SamplingSettings) -> ReplyStream:
         """Drop the last reply and generate it again from the same context."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise ValueError("there is no reply to regenerate")

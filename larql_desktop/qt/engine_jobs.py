@@ -9,11 +9,11 @@ import time
 
 from larql_desktop.engine import services
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
+from larql_desktop.engine.core import PatchesChanged
 from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.patches.insert import Fact, Progress
-from larql_desktop.qt.protocol import (CacheStatsEvent, FactProbed, InsertFact, InsertFinished, PatchesChanged,
-                                       PatchSaved, ProbeFact, ProbePrompt, ProbeResult, SavePatch)
+from larql_desktop.qt.protocol import (CacheStatsEvent, FactProbed, InsertFact, InsertFinished, PatchesShown,
+                                       PatchSaved, ProbeAnswered, ProbeFact, ProbePrompt, SavePatch)
 
 
 def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
@@ -21,24 +21,26 @@ def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
     return CacheStatsEvent(engine_id, time.monotonic(), session_id, engine.snapshot(),
                            engine.session_snapshot(session) if session is not None else None,
                            tuple(engine.patches.overridden_layers), engine.settings,
-                           engine.model.config.n_layers, engine.l3.status() if engine.l3 is not None else None)
+                           engine.model.config.n_layers, engine.l3.status() if engine.l3 is not None else None,
+                           engine.prefix_cache.stats())
 
 
-def patches_changed(event: EnginePatchesChanged) -> PatchesChanged:
+def patches_changed(event: PatchesChanged) -> PatchesShown:
     """The engine's change event as the window's answer: to the request that made it, or 0 for other clients."""
     request_id = event.origin[1] if isinstance(event.origin, tuple) and event.origin[:1] == ("window",) else 0
-    return PatchesChanged(request_id, event.patches, event.overridden_layers, event.version)
+    return PatchesShown(request_id, event)
 
 
-def current_patches(engine: LarqlEngine, request_id: int) -> PatchesChanged:
+def current_patches(engine: LarqlEngine, request_id: int) -> PatchesShown:
+    """The applied patches as they are (version 0: any change announced later replaces it)."""
     overlay = engine.patches
-    return PatchesChanged(request_id, services.patch_summaries(overlay), tuple(overlay.overridden_layers), 0)
+    return PatchesShown(request_id, PatchesChanged(0, services.patch_summaries(overlay),
+                                                         tuple(overlay.overridden_layers), overlay.epoch,
+                                                         ("window", request_id)))
 
 
-def probe(engine: LarqlEngine, request: ProbePrompt) -> ProbeResult:
-    o = services.probe(engine, request.prompt, request.target)
-    return ProbeResult(request.request_id, o.prompt, o.target, o.base_text, o.patched_text, o.base_probability,
-                       o.patched_probability)
+def probe(engine: LarqlEngine, request: ProbePrompt) -> ProbeAnswered:
+    return ProbeAnswered(request.request_id, services.probe(engine, request.prompt, request.target))
 
 
 def fact_probes(engine: LarqlEngine, request: ProbeFact) -> FactProbed:

@@ -1,14 +1,13 @@
 """The main window: chat tabs, model picker, the tool panels (sampling, saved chats, tokens, cache monitor, patch
-editor), status. Wiring and layout; the engine is elsewhere.
+editor), status. Wiring and layout: the engine is in the worker, the chats' flow in the chat controller
+(qt/chat_controller.py), whose chats the tabs render.
 
 Every chat is saved as it happens (engine/chats.py, a SQLite file under the user data dir); the chats open when
 the app closed open again on launch, and the Chats panel lists, searches, renames and deletes the others."""
 from __future__ import annotations
 
-import itertools
 import logging
 from pathlib import Path
-from typing import Callable
 
 from PySide6.QtCore import QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
@@ -17,13 +16,12 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QDockWidget, 
                                QToolButton, QVBoxLayout, QWidget)
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
-from larql_desktop.engine.chats import (CHATS_FILE, ChatStore, ChatStoreError, ReadOnlyChatStore, chat_to_json,
-                                        chat_to_markdown)
+from larql_desktop.engine.chats import CHATS_FILE, ChatStore, ChatStoreError
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.qt_chat_panels import ChatsPanel, TokenView
 from larql_desktop.qt.transcript import ASSISTANT
-from larql_desktop.qt.protocol import (EngineActivity, ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats,
-                                       TokenEvent)
+from larql_desktop.qt.chat_controller import Chat, ChatController, model_choice
+from larql_desktop.qt.protocol import EngineActivity, ErrorReport, ModelInfo, ReplyFinished, ReplyStarted, RequestStats
 from larql_desktop.qt.qt_cache_monitor import CacheMonitor
 from larql_desktop.qt.qt_chat_tab import ChatTab
 from larql_desktop.qt.qt_patch_editor import PatchEditor
@@ -40,8 +38,6 @@ from larql_desktop.qt.worker import EngineClient
 log = logging.getLogger(__name__)
 
 OPEN_GGUF = "__open_gguf__"   # the model picker's "Open GGUF file…" entry
-NEW_CHAT_TITLE = "New chat"    # replaced by the start of the first message unless the user renames the chat
-TITLE_LENGTH = 40
 TAB_TITLE_LENGTH = 24
 
 
@@ -85,10 +81,20 @@ class MainWindow(QMainWindow):
         self.client = client
         self.settings = settings
         self.app = app
-        self._session_ids = itertools.count(1)   # ids for chats the store could not save (negative)
         self._closed = False
         # Saved chats; a database SQLite cannot use is set aside (the warning says where) and a fresh one started.
-        self.chats, chats_warning = ChatStore.open(client.paths.data / CHATS_FILE)
+        store, chats_warning = ChatStore.open(client.paths.data / CHATS_FILE)
+        # The chats' flow (requests, the reply stream into transcripts and the store) is the controller's; the
+        # window shows what it reports.
+        self.chat_controller = controller = ChatController(client, store, self)
+        controller.opened.connect(self._add_tab)
+        controller.reply_started.connect(self._on_reply_started)
+        controller.streamed.connect(lambda chat, text: self.tab_for(chat.id).show_streamed(text))
+        controller.reply_finished.connect(self._on_reply_finished)
+        controller.retitled.connect(self._set_tab_title)
+        controller.list_changed.connect(self._refresh_chat_list)
+        controller.problem.connect(self.show_error)
+        controller.note.connect(lambda text: self.statusBar().showMessage(text, 10_000))
         self._default_system_prompt: str | None = None
         self._had_model = False   # a model was loaded in this window (a later load is a model change)
         self.setWindowTitle("larql-desktop")
@@ -136,14 +142,11 @@ class MainWindow(QMainWindow):
         # HTTP clients move the statistics while the window sits idle: the worker forwards the engine's events
         # and the window asks for one snapshot at a time (patch changes arrive as events of their own).
         self._stats_outstanding = False
-        client.event.connect(self._on_engine_activity)
+        client.engine_activity.connect(self._on_engine_activity)
         client.stats.connect(self._on_stats_arrived)
 
         client.model_loaded.connect(self._on_model_loaded)
         client.load_progress.connect(self._on_load_progress)
-        client.reply_started.connect(self._on_reply_started)
-        client.tokens.connect(self._on_tokens)
-        client.reply_finished.connect(self._on_reply_finished)
         client.error.connect(self._on_error)
         client.busy_changed.connect(self._update_actions)
 
@@ -379,29 +382,24 @@ class MainWindow(QMainWindow):
     def tab_for(self, session_id: int) -> ChatTab | None:
         return next((tab for tab in self.chat_tabs() if tab.session_id == session_id), None)
 
-    def _store(self, call: Callable, *args):
-        """A chats-store call; a failure is shown (the chat in the window carries on) and gives None."""
-        try:
-            return call(*args)
-        except ReadOnlyChatStore as exc:      # said once by the status bar's note; not an error each time
-            self.statusBar().showMessage(f"Saved chats: {exc}", 10_000)
-            return None
-        except ChatStoreError as exc:
-            self.show_error(f"Saved chats: {exc}")
-            return None
+    @property
+    def chats(self) -> ChatStore:
+        """The saved chats (the controller's store)."""
+        return self.chat_controller.store
 
     def _current_chat_id(self) -> int | None:
         tab = self.current_tab()
         return tab.session_id if tab is not None else None
 
-    def _add_tab(self, chat_id: int, title: str, sampling: SamplingSettings, system_prompt: str | None) -> ChatTab:
-        tab = ChatTab(chat_id, title, [self.send_action, self.stop_action, self.regenerate_action],
-                      sampling=sampling, system_prompt=system_prompt)
+    @Slot(object)
+    def _add_tab(self, chat: Chat) -> ChatTab:
+        tab = ChatTab(chat, [self.send_action, self.stop_action, self.regenerate_action])
         tab.shade_by = self.shading
         tab.tokens_requested.connect(lambda index, t=tab: self.show_tokens(t, index))
         tab.token_clicked.connect(lambda index, token, t=tab: self.show_tokens(t, index, token))
-        self.tabs.setCurrentIndex(self.tabs.addTab(tab, _tab_text(title)))
-        self.tabs.setTabToolTip(self.tabs.indexOf(tab), title)
+        self.tabs.setCurrentIndex(self.tabs.addTab(tab, _tab_text(chat.title)))
+        self.tabs.setTabToolTip(self.tabs.indexOf(tab), chat.title)
+        tab.render()
         return tab
 
     @Slot()
@@ -410,36 +408,21 @@ class MainWindow(QMainWindow):
             sampling = self.sampling.settings()   # a new chat starts from the settings last used
         except ValueError:
             sampling = SamplingSettings()
-        chat_id = self._store(self.chats.create_chat, NEW_CHAT_TITLE, sampling.to_dict(), None, self._model_key())
-        if chat_id is None:
-            chat_id = -next(self._session_ids)   # not saved, but usable
-        tab = self._add_tab(chat_id, NEW_CHAT_TITLE, sampling, None)
+        tab = self.tab_for(self.chat_controller.new_chat(sampling).id)
         tab.input.setFocus()
-        self._refresh_chat_list()
         return tab
 
     @Slot(int)
     def open_saved_chat(self, chat_id: int) -> ChatTab | None:
-        """Show a saved chat in a tab (its own if it is open already); continuing it rebuilds its session."""
+        """Show a saved chat in a tab (its own if it is open already)."""
         tab = self.tab_for(chat_id)
         if tab is not None:
             self.tabs.setCurrentWidget(tab)
             return tab
-        chat = self._store(self.chats.load, chat_id)
-        if chat is None:
+        if self.chat_controller.open_saved(chat_id) is None:
             return None
-        try:
-            sampling = SamplingSettings.from_dict(chat.sampling)
-        except (TypeError, ValueError) as exc:
-            log.info("chat %s has unusable sampling settings (%s); using the defaults", chat_id, exc)
-            sampling = SamplingSettings()
-        tab = self._add_tab(chat.id, chat.title, sampling, chat.system_prompt)
-        for message in chat.messages:
-            tab.transcript.add_restored(message.role, message.content, message.complete)
-            tab.transcript.last.tokens = list(message.tokens)   # the token view works on saved replies too
-        tab.render()
         self._on_current_chat_changed()
-        return tab
+        return self.tab_for(chat_id)
 
     @Slot(int)
     def close_chat(self, index: int) -> None:
@@ -447,25 +430,18 @@ class MainWindow(QMainWindow):
         tab = self.tabs.widget(index)
         if tab is None:
             return
-        self.client.close_session(tab.session_id)
         self.tabs.removeTab(index)
-        self._forget_if_empty(tab)
+        self.chat_controller.close(tab.session_id)
         tab.deleteLater()
         if self.tabs.count() == 0:
             self.new_chat()
-        self._refresh_chat_list()
-
-    def _forget_if_empty(self, tab: ChatTab) -> None:
-        if not tab.transcript.messages() and tab.system_prompt is None and tab.session_id > 0:
-            self._store(self.chats.delete, tab.session_id)
 
     @Slot(int)
     def delete_chat(self, chat_id: int) -> None:
         tab = self.tab_for(chat_id)
         if tab is not None:
             self.close_chat(self.tabs.indexOf(tab))
-        self._store(self.chats.delete, chat_id)
-        self._refresh_chat_list()
+        self.chat_controller.delete(chat_id)
 
     @Slot(int)
     def rename_chat(self, chat_id: int | None, title: str | None = None) -> None:
@@ -478,24 +454,21 @@ class MainWindow(QMainWindow):
             if not ok:
                 return
         try:
-            self._store(self.chats.rename, chat_id, title)
+            self.chat_controller.rename(chat_id, title)
         except ValueError as exc:
             self.show_error(f"Rename: {exc}")
-            return
-        self._set_tab_title(chat_id, " ".join(title.split()))
-        self._refresh_chat_list()
 
-    def _set_tab_title(self, chat_id: int, title: str) -> None:
-        tab = self.tab_for(chat_id)
+    @Slot(object)
+    def _set_tab_title(self, chat: Chat) -> None:
+        tab = self.tab_for(chat.id)
         if tab is not None:
-            tab.title = title
             index = self.tabs.indexOf(tab)
-            self.tabs.setTabText(index, _tab_text(title))
-            self.tabs.setTabToolTip(index, title)
+            self.tabs.setTabText(index, _tab_text(chat.title))
+            self.tabs.setTabToolTip(index, chat.title)
 
     @Slot()
     def _refresh_chat_list(self, *_args) -> None:
-        chats = self._store(self.chats.list_chats, self.chats_panel.search.text())
+        chats = self.chat_controller.list_chats(self.chats_panel.search.text())
         if chats is not None:
             self.chats_panel.show_chats(chats)
 
@@ -504,7 +477,7 @@ class MainWindow(QMainWindow):
         wanted = _ids(self.settings.value("chats/open", []))
         current = _ids(self.settings.value("chats/current", []))
         for chat_id in wanted:
-            if self._store(self.chats.exists, chat_id):
+            if self.chat_controller.stored(self.chats.exists, chat_id):
                 self.open_saved_chat(chat_id)
         if self.tabs.count() == 0:
             self.new_chat()
@@ -520,23 +493,15 @@ class MainWindow(QMainWindow):
         if tab is None:
             return
         try:
-            tab.sampling = self.sampling.settings()
+            self.chat_controller.set_sampling(tab.chat, self.sampling.settings())
         except ValueError:
             return   # shown when the user sends
-        if tab.session_id > 0:
-            self._store(self.chats.set_sampling, tab.session_id, tab.sampling.to_dict())
 
     @Slot()
     def _on_system_prompt_changed(self) -> None:
         tab = self.current_tab()
-        if tab is None:
-            return
-        tab.system_prompt = self.sampling.chat_system_prompt()
-        if tab.session_id > 0:
-            self._store(self.chats.set_system_prompt, tab.session_id, tab.system_prompt)
-
-    def _model_key(self) -> str:
-        return self._model_choice(self.client.model) if self.client.model else ""
+        if tab is not None:
+            self.chat_controller.set_system_prompt(tab.chat, self.sampling.chat_system_prompt())
 
     # --- copy, export, tokens ---
 
@@ -549,11 +514,7 @@ class MainWindow(QMainWindow):
     def export_chat(self, path: Path, fmt: str, chat_id: int | None = None) -> Path:
         """Write the chat (the current one by default) as it is saved: "md" (Markdown) or "json"."""
         chat_id = self._current_chat_id() if chat_id is None else chat_id
-        if fmt not in ("md", "json"):
-            raise ValueError(f"export format is md or json, not {fmt!r}")
-        chat = self.chats.load(chat_id)
-        text = chat_to_json(chat) if fmt == "json" else chat_to_markdown(chat, self._default_system_prompt)
-        Path(path).write_text(text, encoding="utf-8")
+        chat = self.chat_controller.export(chat_id, path, fmt, self._default_system_prompt)
         self.statusBar().showMessage(f"Exported {chat.title} to {path}", 10_000)
         return Path(path)
 
@@ -676,8 +637,7 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.send_prompt(tab.session_id, tab.input.toPlainText(), settings,
-                                    history=tab.transcript.messages(), system_prompt=tab.system_prompt)
+            self.chat_controller.send(tab.chat, tab.input.toPlainText(), settings)
 
     @Slot()
     def regenerate(self) -> None:
@@ -686,8 +646,7 @@ class MainWindow(QMainWindow):
             return
         settings = self._sampling_settings()
         if settings is not None:
-            self.client.regenerate(tab.session_id, settings, history=tab.transcript.messages(),
-                                   system_prompt=tab.system_prompt)
+            self.chat_controller.regenerate(tab.chat, settings)
 
     @Slot()
     def stop(self) -> None:
@@ -720,9 +679,7 @@ class MainWindow(QMainWindow):
         elif choice and (self.client.model is None or choice != self._model_choice(self.client.model)):
             self.load_model(choice)
 
-    @staticmethod
-    def _model_choice(info: ModelInfo) -> str:
-        return info.key if info.packaged else str(info.path)
+    _model_choice = staticmethod(model_choice)
 
     def _select_model_item(self, choice: str | None) -> None:
         if choice is None:
@@ -751,12 +708,9 @@ class MainWindow(QMainWindow):
         self.model_label.setText(f"{info.display_name} · {info.n_layers} layers · {info.threads} threads")
         self.statusBar().showMessage(f"Loaded {info.display_name} in {info.load_seconds:.2f} s", 10_000)
         if had_chats:
-            # The worker dropped the old model's sessions; say so where the conversation is.
+            self.chat_controller.model_changed(info)
             for tab in self.chat_tabs():
-                if tab.transcript.turns:
-                    tab.transcript.add_notice(f"Model changed to {info.display_name}: "
-                                              "the conversation continues on it.")
-                    tab.render()
+                tab.render()
         tab = self.current_tab()
         if tab is not None:
             tab.input.setFocus()
@@ -770,48 +724,23 @@ class MainWindow(QMainWindow):
 
     # --- replies ---
 
-    @Slot(object)
-    def _on_reply_started(self, started: ReplyStarted) -> None:
-        tab = self.tab_for(started.session_id)
+    @Slot(object, object)
+    def _on_reply_started(self, chat: Chat, started: ReplyStarted) -> None:
+        tab = self.tab_for(chat.id)
         if tab is None:
             return
         self.error_banner.clear()
-        if started.prompt is None:
-            tab.transcript.drop_last_reply()
-        else:
-            tab.transcript.add_user(started.prompt)
-            if tab.input.toPlainText() == started.prompt:
-                tab.input.clear()
-        tab.transcript.start_reply()
+        if started.prompt is not None and tab.input.toPlainText() == started.prompt:
+            tab.input.clear()
         tab.render()
-        self._save_reply_start(tab, started.prompt)
         self._set_tab_busy(tab, True)
         self.statusBar().showMessage(f"Generating in {tab.title}…")
 
-    @Slot(object)
-    def _on_tokens(self, events: tuple[TokenEvent, ...]) -> None:
-        """A reply's next tokens, as the engine thread batched them (one reply's, in order): handled as one
-        piece of text, so the GUI thread's cost per token stays small while the decode shares its cores."""
-        tab = self.tab_for(events[0].session_id)
+    @Slot(object, object)
+    def _on_reply_finished(self, chat: Chat, finished: ReplyFinished) -> None:
+        tab = self.tab_for(chat.id)
         if tab is None:
             return
-        if tab.transcript.streaming:
-            tab.transcript.last.tokens.extend(events)
-        text = "".join(event.text for event in events)
-        if text:
-            tab.append(text)
-            if tab.reply_writer is not None:
-                self._store(tab.reply_writer.append, text)   # written at most every 0.5 s
-
-    @Slot(object)
-    def _on_reply_finished(self, finished: ReplyFinished) -> None:
-        tab = self.tab_for(finished.session_id)
-        if tab is None:
-            return
-        tab.transcript.finish_reply(finished.text, finished.stats)
-        writer, tab.reply_writer = tab.reply_writer, None
-        if writer is not None:
-            self._store(writer.finish, finished.text, tab.transcript.last.tokens)
         tab.render()
         if tab is self.current_tab():
             self.show_last_reply_tokens_quietly(tab)
@@ -824,25 +753,6 @@ class MainWindow(QMainWindow):
         index = self.tabs.indexOf(tab)
         if index >= 0:
             self.tabs.setTabText(index, f"{_tab_text(tab.title)} …" if busy else _tab_text(tab.title))
-
-    def _save_reply_start(self, tab: ChatTab, prompt: str | None) -> None:
-        """The prompt (or, regenerating, the dropped reply) and an empty reply row the tokens stream into."""
-        if tab.session_id <= 0:
-            return
-        chat_id = tab.session_id
-        if prompt is None:
-            self._store(self.chats.drop_last_reply, chat_id)
-        else:
-            self._store(self.chats.add_message, chat_id, "user", prompt)
-            if tab.title == NEW_CHAT_TITLE and prompt.strip():
-                title = " ".join(prompt.split())
-                title = title if len(title) <= TITLE_LENGTH else title[:TITLE_LENGTH - 1] + "…"
-                self._store(self.chats.rename, chat_id, title)
-                self._set_tab_title(chat_id, title)
-        if self.client.model is not None:
-            self._store(self.chats.set_model, chat_id, self._model_key())
-        tab.reply_writer = self._store(self.chats.begin_reply, chat_id)
-        self._refresh_chat_list()
 
     def show_last_reply_tokens_quietly(self, tab: ChatTab) -> None:
         """Keep the token view on the newest reply of the chat in front, without raising its panel."""
@@ -864,8 +774,8 @@ class MainWindow(QMainWindow):
         self._on_server_changed()
 
     @Slot(object)
-    def _on_engine_activity(self, event) -> None:
-        if isinstance(event, EngineActivity) and not self._stats_outstanding and self.client.ready:
+    def _on_engine_activity(self, _event: EngineActivity) -> None:
+        if not self._stats_outstanding and self.client.ready:
             self._stats_outstanding = True
             self._on_current_chat_changed()
 
@@ -1000,12 +910,7 @@ class MainWindow(QMainWindow):
             # Stops a reply at its next token, ends the engine thread and waits for it: a QThread still
             # running when Python tears down aborts the process.
             self.client.shutdown()
-            for tab in self.chat_tabs():
-                writer, tab.reply_writer = tab.reply_writer, None
-                if writer is not None:   # a reply stopped by closing: kept as far as it got
-                    self._store(writer.finish, None, tab.transcript.last.tokens)
-                self._forget_if_empty(tab)
-            self.chats.close()
+            self.chat_controller.shutdown()   # a reply stopped by closing is kept as far as it got
         event.accept()
 
 

@@ -1,21 +1,31 @@
-"""Messages between the GUI thread and the engine worker: immutable requests in, immutable snapshots out.
+"""Messages between the GUI thread and the engine worker: immutable requests in, immutable answers out.
 
-Plain dataclasses without Qt, so they can be built and tested anywhere. Every request carries the
-`request_id` the client gave it; every answer names the request it answers. New panels add their own
-request types and register a handler with the worker (`EngineWorker.register_handler`).
+Plain dataclasses without Qt, so they can be built and tested anywhere. Every request carries the `request_id` the
+client gave it and a `label` that names it to the user; every answer and every ErrorReport names the request it
+answers by that id (panels route by id, never by wording). The engine's own result types travel inside the answers
+(ProbeOutcome, the engine's PatchesChanged, FeatureView, CollapseReport, FrontierPoint): no twins. Each answer type
+has its own signal on `EngineClient` (ANSWERS lists them); the worker's handlers, the labs' included, sit in one
+table (`EngineWorker`, qt/engine_jobs.py, qt/lab_jobs.py).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+import numpy as np
+
+from larql_desktop.engine.analysis.collapse import CollapseReport
+from larql_desktop.engine.analysis.features import FeatureView
+from larql_desktop.engine.analysis.lens import LogitLens, PromotedTokens
 from larql_desktop.engine.cache.stats import StatsSnapshot
-from larql_desktop.engine.core import CacheSettings
+from larql_desktop.engine.core import CacheSettings, PatchesChanged
 from larql_desktop.engine.model.generation import Alternative, SamplingSettings, TokenStep
 from larql_desktop.engine.model.outcomes import LayerOutcome
-from larql_desktop.engine.patches.summary import PatchSummary
-from larql_desktop.engine.services import FactProbe
+from larql_desktop.engine.model.prefix_cache import PrefixCacheStats
+from larql_desktop.engine.services import FactProbe, ProbeOutcome
+from larql_desktop.tools.measure import FrontierPoint
 from larql_desktop.qt.reply_stats import ReplyStats
 
 
@@ -23,6 +33,7 @@ from larql_desktop.qt.reply_stats import ReplyStats
 
 @dataclass(frozen=True)
 class LoadModel:
+    label: ClassVar[str] = "Loading a model"
     request_id: int
     name_or_path: str   # a packaged model's key or a path to a GGUF file
     threads: int
@@ -30,6 +41,7 @@ class LoadModel:
 
 @dataclass(frozen=True)
 class SendPrompt:
+    label: ClassVar[str] = "Reply"
     request_id: int
     session_id: int
     text: str
@@ -38,55 +50,74 @@ class SendPrompt:
     # behind the generation loop it is meant to interrupt. One per request, so a Stop can never leak
     # into the next reply.
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-    # The chat as the window holds it, (role, content) before this prompt, and its system prompt (None: the
-    # template's default): the worker's session follows them, so a saved chat continues where it stopped.
-    # history None: the session's own messages are used as they are.
-    history: tuple[tuple[str, str], ...] | None = None
-    system_prompt: str | None = None
 
 
 @dataclass(frozen=True)
 class Regenerate:
+    label: ClassVar[str] = "Reply"
     request_id: int
     session_id: int
     settings: SamplingSettings
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-    history: tuple[tuple[str, str], ...] | None = None   # including the reply to regenerate
-    system_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class OpenChat:
+    """A saved chat opened in the window: its conversation becomes the session's, once, and from then on the
+    session holds it (the window never sends it again; a model change carries it over)."""
+    label: ClassVar[str] = "Opening a chat"
+    request_id: int
+    session_id: int
+    messages: tuple[tuple[str, str], ...]   # (role, content), user and assistant turns
+    system_prompt: str | None = None        # None: the chat template's default
+
+
+@dataclass(frozen=True)
+class SetSystemPrompt:
+    label: ClassVar[str] = "System prompt"
+    request_id: int
+    session_id: int
+    system_prompt: str | None
 
 
 @dataclass(frozen=True)
 class CloseSession:
+    label: ClassVar[str] = "Closing a chat"
     request_id: int
     session_id: int
 
 
 @dataclass(frozen=True)
 class ConfigureCache:
+    label: ClassVar[str] = "Cache settings"
     request_id: int
     settings: CacheSettings
 
 
 @dataclass(frozen=True)
 class ClearCaches:
+    label: ClassVar[str] = "Clearing caches"
     request_id: int
     persistent: bool = False  # True: the persistent L3 store as well as L1 and L2
 
 
 @dataclass(frozen=True)
 class ResetStats:
+    label: ClassVar[str] = "Resetting statistics"
     request_id: int
 
 
 @dataclass(frozen=True)
 class RequestStats:
     """Ask for a stats snapshot now (e.g. the user switched chats), with `session_id` as the active chat."""
+    label: ClassVar[str] = "Statistics"
     request_id: int
     session_id: int | None
 
 
 @dataclass(frozen=True)
 class InsertFact:
+    label: ClassVar[str] = "INSERT"
     request_id: int
     entity: str
     relation: str
@@ -101,6 +132,7 @@ class InsertFact:
 @dataclass(frozen=True)
 class ProbeFact:
     """Probe a fact where people ask it (its prompt, paraphrases, a chat question), before and after patches."""
+    label: ClassVar[str] = "Probe fact"
     request_id: int
     entity: str
     relation: str
@@ -110,6 +142,7 @@ class ProbeFact:
 
 @dataclass(frozen=True)
 class ProbePrompt:
+    label: ClassVar[str] = "Probe"
     request_id: int
     prompt: str
     target: str               # whose probability to report ("" for none)
@@ -117,12 +150,14 @@ class ProbePrompt:
 
 @dataclass(frozen=True)
 class LoadPatchFile:
+    label: ClassVar[str] = "Loading patch file"
     request_id: int
     path: Path
 
 
 @dataclass(frozen=True)
 class SavePatch:
+    label: ClassVar[str] = "Saving patch"
     request_id: int
     patch_id: str             # PatchSummary.id: patches are named by content, never by list position
     path: Path
@@ -130,6 +165,7 @@ class SavePatch:
 
 @dataclass(frozen=True)
 class RemovePatch:
+    label: ClassVar[str] = "Removing patch"
     request_id: int
     patch_id: str
 
@@ -137,12 +173,14 @@ class RemovePatch:
 @dataclass(frozen=True)
 class StartServer:
     """Serve the loaded model's engine over HTTP on loopback (0: any free port); follows model changes."""
+    label: ClassVar[str] = "HTTP API"
     request_id: int
     port: int
 
 
 @dataclass(frozen=True)
 class StopServer:
+    label: ClassVar[str] = "HTTP API"
     request_id: int
 
 
@@ -208,7 +246,7 @@ class ReplyFinished:
 class ErrorReport:
     request_id: int | None
     session_id: int | None
-    context: str              # what failed, e.g. "Loading smollm2", "Reply"
+    context: str              # what failed, for the user (the request's label, e.g. "Reply"): never routed on
     message: str
 
     def describe(self) -> str:
@@ -227,16 +265,15 @@ class CacheStatsEvent:
     settings: CacheSettings
     n_layers: int
     l3_status: dict | None = None   # L3Store.status() (backend, where, errors…); None: no L3 store attached
+    prefix_cache: PrefixCacheStats | None = None   # the engine's KV prefix cache (shared prompts' attention KV)
 
 
 @dataclass(frozen=True)
-class PatchesChanged:
-    """The applied patches after a change by anyone (this window or an HTTP client); `request_id` is the window's
-    request that made it, 0 for changes made elsewhere."""
+class PatchesShown:
+    """The applied patches after a change by anyone (this window or an HTTP client), as the engine announced it;
+    `request_id` is the window's request that made the change, 0 for changes made elsewhere."""
     request_id: int
-    patches: tuple[PatchSummary, ...]
-    patched_layers: tuple[int, ...]
-    version: int              # the engine's change counter: an older event never replaces a newer one
+    change: PatchesChanged    # the engine's event (version: an older one never replaces a newer one)
 
 
 @dataclass(frozen=True)
@@ -276,14 +313,9 @@ class InsertFinished:
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class ProbeAnswered:
     request_id: int
-    prompt: str
-    target: str
-    base_text: str            # greedy continuation without any patch
-    patched_text: str         # ... with every applied patch
-    base_probability: float | None    # of the target's first token; None without a target
-    patched_probability: float | None
+    outcome: ProbeOutcome     # services.probe: the continuation and probability without and with the patches
 
 
 @dataclass(frozen=True)
@@ -300,3 +332,134 @@ class FactProbed:
 class PatchSaved:
     request_id: int
     path: Path
+
+
+# --- the labs: the reply's pictures, the feature view, the collapse lab, the frontier (qt/lab_jobs.py) ---
+
+@dataclass(frozen=True)
+class AnalyseReply:
+    label: ClassVar[str] = "Reply map"
+    request_id: int
+    session_id: int
+    positions: tuple[int, ...]     # each token's pass (its last position in the session's history)
+    token_ids: tuple[int, ...]     # the tokens sampled from those passes (checked against the history)
+
+
+@dataclass(frozen=True)
+class ReplyAnalysed:
+    request_id: int
+    session_id: int
+    positions: tuple[int, ...]
+    fired: np.ndarray              # (n_layers, P) bool
+    fired_features: tuple          # per layer, per position: the INSERTed features that fired
+
+
+@dataclass(frozen=True)
+class ShowLens:
+    label: ClassVar[str] = "Logit lens"
+    request_id: int
+    session_id: int
+    position: int
+    token_id: int
+
+
+@dataclass(frozen=True)
+class LensResult:
+    request_id: int
+    lens: LogitLens
+
+
+@dataclass(frozen=True)
+class ShowFeatures:
+    label: ClassVar[str] = "Feature view"
+    request_id: int
+    session_id: int
+    position: int                  # the pass's last position in the session's history
+    reply_before: tuple[int, ...]  # the reply's tokens sampled before this one (they end the pass's input)
+    layer: int
+
+
+@dataclass(frozen=True)
+class ShowFeaturesOfIds:
+    label: ClassVar[str] = "Feature view"
+    request_id: int
+    token_ids: tuple[int, ...]     # the pass's input; the view is of its last position
+    layer: int
+
+
+@dataclass(frozen=True)
+class FeaturesResult:
+    request_id: int
+    view: FeatureView
+    promoted: tuple[PromotedTokens, ...] = ()   # per row of the view: the tokens its down vector promotes
+
+
+@dataclass(frozen=True)
+class RunCollapse:
+    label: ClassVar[str] = "Collapse lab"
+    request_id: int
+    prompts: tuple[str, ...]
+    top_k: int | None           # None: the engine's default (79% of the intermediate size)
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CollapseProgress:
+    request_id: int
+    captured: int               # prompts measured so far
+    total: int
+
+
+@dataclass(frozen=True)
+class CollapseResult:
+    request_id: int
+    report: CollapseReport
+
+
+@dataclass(frozen=True)
+class CollapseStopped:
+    request_id: int
+    captured: int               # prompts measured before the stop
+    total: int
+
+
+@dataclass(frozen=True)
+class RunFrontier:
+    label: ClassVar[str] = "Frontier"
+    request_id: int
+    prompts: tuple[str, ...]
+    widths: tuple[int | None, ...]      # None: k' = K
+    taus: tuple[float | None, ...]      # None: no guard
+    max_tokens: int
+    feature_set_hits: bool = False      # tau None: the seed's rule (any entry under the key), else the default
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class FrontierProgress:
+    request_id: int
+    line: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class FrontierResult:
+    request_id: int
+    model: str
+    top_k: int
+    points: tuple[FrontierPoint, ...]
+    bounds: tuple[FrontierPoint, ...]
+    stopped: bool = False
+
+
+# Every answer the worker sends besides the reply stream, model loading, statistics and errors: each has its own
+# signal on EngineClient, named here (a panel connects to the answers it wants; no isinstance chains).
+ANSWERS: dict[type, str] = {
+    PatchesShown: "patches_shown", EngineActivity: "engine_activity", ServerState: "server_state",
+    InsertProgress: "insert_progress", InsertCancelled: "insert_cancelled", InsertFinished: "insert_finished",
+    ProbeAnswered: "probe_answered", FactProbed: "fact_probed", PatchSaved: "patch_saved",
+    ReplyAnalysed: "reply_analysed", LensResult: "lens_shown", FeaturesResult: "features_shown",
+    CollapseProgress: "collapse_progress", CollapseResult: "collapse_finished", CollapseStopped: "collapse_stopped",
+    FrontierProgress: "frontier_progress", FrontierResult: "frontier_finished",
+}

@@ -21,6 +21,7 @@ from larql_desktop.engine.cache.stats import OUTCOMES, TIERS
 from larql_desktop.engine.cache.tiers import POLICIES, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.cache.l3 import L3Settings
+from larql_desktop.engine.model.prefix_cache import PrefixCacheStats
 from larql_desktop.qt.cache_monitor_model import MonitorModel, stats_csv, stats_json
 from larql_desktop.engine.core import CacheSettings
 from larql_desktop.qt.protocol import CacheStatsEvent, ClearCaches, ConfigureCache, ModelInfo, ResetStats
@@ -777,4 +778,21 @@ def summary_text(event: CacheStatsEvent) -> str:
         state = "on" if event.l3_status.get("enabled") else "off"
         lines.append(f"L3 ({state}, {event.l3_status.get('backend', '?')}): {int(l3.entries.sum())} entries, "
                      f"{l3.bytes.sum() / (1 << 20):.1f} MiB on disk (every model's)")
+    if event.prefix_cache is not None:
+        lines.append(prefix_cache_text(event.prefix_cache))
     return "<br>".join(lines)
+
+
+def prefix_cache_text(p: PrefixCacheStats) -> str:
+    """The KV prefix cache's line: attention KV of prompts already run, which a prompt with the same start reuses
+    instead of prefilling (beside the FFN tiers: it saves whole positions, not FFN calls)."""
+    if p.max_bytes == 0:
+        return "KV prefix cache: off"
+    rate = f" ({100 * p.hits / p.lookups:.0f}% of {p.lookups} prompts)" if p.lookups else ""
+    return (f"KV prefix cache: {_count(p.hits, 'hit')}, {_count(p.misses, 'miss', 'misses')}{rate} · "
+            f"{_count(p.reused_tokens, 'token')} reused (not prefilled) · {_count(p.entries, 'entry', 'entries')}, "
+            f"{p.bytes / (1 << 20):.1f} of {p.max_bytes / (1 << 20):.0f} MiB · {p.evictions} evicted")
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QApplication, QHBoxLayout, QMenu, QPlainTextEdit,
 
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt import token_shading
+from larql_desktop.qt.chat_controller import Chat
 from larql_desktop.qt.transcript import ASSISTANT, NOTICE, USER, Transcript
 
 _HEADERS = {USER: "You", ASSISTANT: "Assistant"}
@@ -32,19 +33,15 @@ def markdown_as_plain_text(markdown: str) -> str:
 
 
 class ChatTab(QWidget):
+    """The view of one chat: its transcript rendered, the streaming text, the message box."""
     tokens_requested = Signal(int)   # index of a turn whose tokens the user wants to see
     token_clicked = Signal(int, int)  # (turn index, token index): the user clicked that token of a reply
 
-    def __init__(self, session_id: int, title: str, actions: list[QAction], parent: QWidget | None = None,
-                 sampling: SamplingSettings | None = None, system_prompt: str | None = None):
+    def __init__(self, chat: Chat, actions: list[QAction], parent: QWidget | None = None):
         super().__init__(parent)
-        self.session_id = session_id   # also the saved chat's id
-        self.title = title
-        self.sampling = sampling or SamplingSettings()
-        self.system_prompt = system_prompt   # None: the model's template default
-        self.reply_writer = None             # the chats store's StreamingReply while a reply streams
+        self.chat = chat                     # what this tab shows (the chat controller keeps it)
+        title = chat.title
         self.shade_by = token_shading.NONE   # the measure ended replies are shaded by (the window sets it)
-        self.transcript = Transcript()
         self._unshown = ""      # streamed text the view has yet to show
         self._append_timer = QTimer(self)
         self._append_timer.setSingleShot(True)
@@ -86,6 +83,27 @@ class ChatTab(QWidget):
 
     # --- rendering ---
 
+
+    # The chat's own state, read through the tab (the controller changes it).
+    @property
+    def session_id(self) -> int:
+        return self.chat.id
+
+    @property
+    def title(self) -> str:
+        return self.chat.title
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        return self.chat.sampling
+
+    @property
+    def system_prompt(self) -> str | None:
+        return self.chat.system_prompt
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.chat.transcript
     def _formats(self) -> dict[str, QTextCharFormat]:
         body = QTextCharFormat()
         header = QTextCharFormat()
@@ -202,9 +220,9 @@ class ChatTab(QWidget):
                 return fmt
         return None
 
-    def append(self, text: str) -> None:
-        """Add streamed text to the reply being generated; the view shows it within APPEND_INTERVAL_MS."""
-        self.transcript.append(text)
+    def show_streamed(self, text: str) -> None:
+        """Show text streamed into the reply being generated (already in the transcript) within
+        APPEND_INTERVAL_MS."""
         self._unshown += text
         if not self._append_timer.isActive():
             self._append_timer.start()

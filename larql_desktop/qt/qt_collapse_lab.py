@@ -1,7 +1,7 @@
 """The collapse lab: do the user's paraphrases reach the same cache entry? (engine/analysis/collapse.py)
 
-Prompts (one per line), K, Run. The measurement runs in the engine thread through a handler this panel registers
-on the worker (`register_handler`), on the numpy fp32 path (the model as its weights define it); each captured
+Prompts (one per line), K, Run. The measurement runs in the engine thread (one of the worker's handlers, qt/lab_jobs.py),
+on the numpy fp32 path (the model as its weights define it); each captured
 prompt reports a CollapseProgress line, Stop ends the run before the next prompt (the previous report stays). The
 result comes back as a frozen CollapseResult and is drawn per layer: cosine of the normed FFN inputs, top-K
 overlap |A ∩ B| / K and the overlap two random K-subsets already have (K / F), with the K sweep beside it and a
@@ -13,8 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +21,10 @@ from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QGridLayout, QHBoxLayout, QLabel, QPlainTextEdit,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.engine.analysis.collapse import (COMPUTATION, CSV_HEADER, CollapseCancelled, CollapseReport, PairReport,
-                                                 collapse, report_csv_rows)
-from larql_desktop.qt.protocol import ModelInfo
+from larql_desktop.engine.analysis.collapse import (COMPUTATION, CSV_HEADER, CollapseReport, PairReport,
+                                                 report_csv_rows)
+from larql_desktop.qt.protocol import (CollapseProgress, CollapseResult, CollapseStopped, ErrorReport, ModelInfo,
+                                       RunCollapse)
 from larql_desktop.qt.qt_feature_view import FeatureTable
 from larql_desktop.qt.worker import EngineClient
 from larql_desktop.qt.qt_tables import read_only_table
@@ -34,57 +33,6 @@ COSINE_COLOUR = "#3a7bd5"
 OVERLAP_COLOUR = "#e8871e"
 BASELINE_COLOUR = "#7f7f7f"
 TABLE_COLUMNS = ("layer", "cosine", "overlap", "random K/F", "key overlap", "keys equal")
-
-
-@dataclass(frozen=True)
-class RunCollapse:
-    request_id: int
-    prompts: tuple[str, ...]
-    top_k: int | None           # None: the engine's default (79% of the intermediate size)
-    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class CollapseProgress:
-    request_id: int
-    captured: int               # prompts measured so far
-    total: int
-
-
-@dataclass(frozen=True)
-class CollapseResult:
-    request_id: int
-    report: CollapseReport
-
-
-@dataclass(frozen=True)
-class CollapseStopped:
-    request_id: int
-    captured: int               # prompts measured before the stop
-    total: int
-
-
-def collapse_handler(worker):
-    """The engine-thread side: measure on the worker's loaded model, a CollapseProgress per captured prompt, then
-    a frozen CollapseResult (or CollapseStopped once request.cancel is set)."""
-    def handle(request: RunCollapse) -> None:
-        model = worker.model
-        if model is None:
-            raise ValueError("load a model first")
-        captured = [0]
-
-        def progress(done: int, total: int) -> None:
-            captured[0] = done
-            worker.event.emit(CollapseProgress(request.request_id, done, total))
-
-        try:
-            report = collapse(model, list(request.prompts), top_k=request.top_k,
-                              should_stop=request.cancel.is_set, progress=progress)
-        except CollapseCancelled:
-            worker.event.emit(CollapseStopped(request.request_id, captured[0], len(request.prompts)))
-            return
-        worker.event.emit(CollapseResult(request.request_id, report))
-    return handle
 
 
 def scrolling(content: QWidget) -> QScrollArea:
@@ -111,8 +59,9 @@ class CollapseLab(QWidget):
         self._feature_layer: int | None = None     # the layer row last clicked, for the shown report and pair
         self._report_model_current = False         # the loaded model is the one the report measured
         self._last_dir = str(Path.home())
-        client.worker.register_handler(RunCollapse, collapse_handler(client.worker))
-        client.event.connect(self._on_event)
+        client.collapse_progress.connect(self._on_progress)
+        client.collapse_finished.connect(self._on_finished)
+        client.collapse_stopped.connect(self._on_stopped)
         client.error.connect(self._on_error)
         client.model_loaded.connect(self._on_model_loaded)
         client.busy_changed.connect(self._update_enabled)
@@ -273,26 +222,33 @@ class CollapseLab(QWidget):
     def busy(self) -> bool:
         return self._request is not None
 
+    def _answers_mine(self, answer) -> bool:
+        return self._request is not None and answer.request_id == self._request.request_id
+
     @Slot(object)
-    def _on_event(self, event: object) -> None:
-        if self._request is None or getattr(event, "request_id", None) != self._request.request_id:
-            return
-        if isinstance(event, CollapseProgress):
+    def _on_progress(self, event: CollapseProgress) -> None:
+        if self._answers_mine(event):
             self.status.setText(f"Captured {event.captured} of {event.total} prompts ({COMPUTATION})…")
-        elif isinstance(event, CollapseResult):
+
+    @Slot(object)
+    def _on_finished(self, event: CollapseResult) -> None:
+        if self._answers_mine(event):
             self._request = None
             self._report_model_current = True
             self.show_report(event.report)
             self._update_enabled()
-        elif isinstance(event, CollapseStopped):
+
+    @Slot(object)
+    def _on_stopped(self, event: CollapseStopped) -> None:
+        if self._answers_mine(event):
             self._request = None
             shown = "; the report shown is the previous run's" if self.report is not None else ""
             self.status.setText(f"Run cancelled after {event.captured} of {event.total} prompts{shown}.")
             self._update_enabled()
 
     @Slot(object)
-    def _on_error(self, report) -> None:
-        if self._request is not None and getattr(report, "request_id", None) == self._request.request_id:
+    def _on_error(self, report: ErrorReport) -> None:
+        if self._answers_mine(report):
             self._request = None
             self.status.setText(f"Failed: {report.message}")
             self._update_enabled()

@@ -1,90 +1,23 @@
 """The feature table: for a selected token and layer, the strongest FFN features by gate score, which formed the
 cache key and which INSERT overrides fired (engine/analysis/features.py).
 
-The request runs in the engine thread through a handler registered on the worker (`register_handler`). The token
+The request runs in the engine thread, one of the worker's handlers (qt/lab_jobs.py). The token
 view's table rebuilds the pass a token was sampled from out of its chat session's token history (`set_token`);
 the collapse lab's asks for the last of explicit token ids, a prompt as the lab measured it (`set_ids`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from PySide6.QtCore import Slot
 from PySide6.QtWidgets import (QHBoxLayout, QLabel, QSpinBox, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from larql_desktop.engine.analysis.features import FeatureView, feature_view
-from larql_desktop.engine.analysis.lens import FeatureVocabulary, PromotedTokens
+from larql_desktop.engine.analysis.features import FeatureView
+from larql_desktop.engine.analysis.lens import PromotedTokens
+from larql_desktop.qt.protocol import FeaturesResult, ShowFeatures, ShowFeaturesOfIds
 from larql_desktop.qt.qt_tables import read_only_table
 
 FEATURE_COLUMNS = ("Feature", "Gate score", "In key", "INSERT fired", "Promotes")
-
-
-@dataclass(frozen=True)
-class ShowFeatures:
-    request_id: int
-    session_id: int
-    position: int                  # the pass's last position in the session's history
-    reply_before: tuple[int, ...]  # the reply's tokens sampled before this one (they end the pass's input)
-    layer: int
-
-
-@dataclass(frozen=True)
-class ShowFeaturesOfIds:
-    request_id: int
-    token_ids: tuple[int, ...]     # the pass's input; the view is of its last position
-    layer: int
-
-
-@dataclass(frozen=True)
-class FeaturesResult:
-    request_id: int
-    view: FeatureView
-    promoted: tuple[PromotedTokens, ...] = ()   # per row of the view: the tokens its down vector promotes
-
-
-def _vocabulary(worker, cache: dict) -> FeatureVocabulary:
-    """The loaded engine's promoted-token cache (a new engine, a new cache)."""
-    if cache.get("engine") is not worker.engine:
-        cache["engine"], cache["vocabulary"] = worker.engine, FeatureVocabulary(worker.engine)
-    return cache["vocabulary"]
-
-
-def _result(worker, cache: dict, request_id: int, view: FeatureView) -> FeaturesResult:
-    promoted = _vocabulary(worker, cache).promoted(view.layer, [r.feature for r in view.rows])
-    return FeaturesResult(request_id, view, promoted)
-
-
-def features_handler(worker):
-    """The engine-thread side: the session's history up to the pass, checked against the reply, then the view."""
-    cache: dict = {}
-
-    def handle(request: ShowFeatures) -> None:
-        if worker.engine is None:
-            raise ValueError("load a model first")
-        session = worker.sessions.get(request.session_id)
-        if session is None or request.position < 0:
-            raise ValueError("this reply's chat session is gone (a reopened chat or another model): "
-                             "the feature view needs a reply generated since the model loaded")
-        ids = session.history[:request.position + 1]
-        before = list(request.reply_before)
-        if len(ids) != request.position + 1 or (before and ids[len(ids) - len(before):] != before):
-            raise ValueError("the chat has moved on since this reply (regenerated or edited): its tokens are no "
-                             "longer in the session")
-        worker.event.emit(_result(worker, cache, request.request_id, feature_view(worker.engine, ids, request.layer)))
-    return handle
-
-
-def features_of_ids_handler(worker):
-    """The engine-thread side for explicit token ids: the view of their last position."""
-    cache: dict = {}
-
-    def handle(request: ShowFeaturesOfIds) -> None:
-        if worker.engine is None:
-            raise ValueError("load a model first")
-        worker.event.emit(_result(worker, cache, request.request_id,
-                                  feature_view(worker.engine, list(request.token_ids), request.layer)))
-    return handle
 
 
 def _visible(text: str) -> str:
@@ -103,9 +36,7 @@ class FeatureTable(QWidget):
         self._pending: int | None = None
         # (request_id, layer) -> the request for the selected token; None: nothing selected.
         self._make_request: Callable[[int, int], object] | None = None
-        client.worker.register_handler(ShowFeatures, features_handler(client.worker))
-        client.worker.register_handler(ShowFeaturesOfIds, features_of_ids_handler(client.worker))
-        client.event.connect(self._on_event)
+        client.features_shown.connect(self._on_features)
         client.error.connect(self._on_error)
         self.layer = QSpinBox(minimum=0, maximum=0)
         self.layer.setAccessibleName("Feature view layer")
@@ -168,14 +99,14 @@ class FeatureTable(QWidget):
         self.request(layer)
 
     @Slot(object)
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, FeaturesResult) and event.request_id == self._pending:
+    def _on_features(self, event: FeaturesResult) -> None:
+        if event.request_id == self._pending:
             self._pending = None
             self.show_view(event.view, event.promoted)
 
     @Slot(object)
     def _on_error(self, report) -> None:
-        if self._pending is not None and getattr(report, "request_id", None) == self._pending:
+        if self._pending is not None and report.request_id == self._pending:
             self._pending = None
             self.status.setText(f"Failed: {report.message}")
 

@@ -1,15 +1,13 @@
 """The frontier view (a tab of the cache monitor): hit rate against fidelity for key width k' x guard tau on the
 user's prompts, beside the nearest-neighbour bound at each tau (tools/measure.py run_frontier).
 
-It runs in the engine thread through a handler this view registers on the worker; replies wait behind it. Each
+It runs in the engine thread (one of the worker's handlers, qt/lab_jobs.py); replies wait behind it. Each
 finished design reports a FrontierProgress line; Stop ends the run at the next generation.
 """
 from __future__ import annotations
 
 import json
 import math
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyqtgraph as pg
@@ -18,70 +16,15 @@ from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGridLayout, QHBoxLayout,
                                QPushButton, QSizePolicy, QSpinBox, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
-from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.qt.qt_collapse_lab import scrolling
 from larql_desktop.qt.worker import EngineClient
-from larql_desktop.tools.measure import FrontierPoint, MeasurementStopped, parse_sweep, run_frontier
+from larql_desktop.qt.protocol import FrontierProgress, FrontierResult, RunFrontier
+from larql_desktop.tools.measure import parse_sweep
 from larql_desktop.qt.qt_tables import read_only_table
 
 TAU_COLOURS = ("#7f7f7f", "#3a7bd5", "#e8871e", "#2ca02c", "#9467bd", "#d62728", "#17a398")
 BOUND_COLOUR = "#d62728"
 TABLE_COLUMNS = ("design", "tau", "hit rate", "greedy agree", "same text", "hit cos mean", "hit cos min")
-
-
-@dataclass(frozen=True)
-class RunFrontier:
-    request_id: int
-    prompts: tuple[str, ...]
-    widths: tuple[int | None, ...]      # None: k' = K
-    taus: tuple[float | None, ...]      # None: no guard
-    max_tokens: int
-    feature_set_hits: bool = False      # tau None: the seed's rule (any entry under the key), else the default
-    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class FrontierProgress:
-    request_id: int
-    line: str
-    done: int
-    total: int
-
-
-@dataclass(frozen=True)
-class FrontierResult:
-    request_id: int
-    model: str
-    top_k: int
-    points: tuple[FrontierPoint, ...]
-    bounds: tuple[FrontierPoint, ...]
-    stopped: bool = False
-
-
-def frontier_handler(worker):
-    """Engine-thread side: run the sweep on the worker's model, reporting each design as it finishes."""
-    def handle(request: RunFrontier) -> None:
-        model = worker.model
-        if model is None:
-            raise ValueError("load a model first")
-        total = len(request.widths) * len(request.taus) + len({t for t in request.taus if t is not None})
-        done = [0]
-
-        def log(line: str) -> None:
-            done[0] += 1
-            worker.event.emit(FrontierProgress(request.request_id, line, done[0], total))
-
-        top_k = WalkSettings().resolved(model.config.intermediate).top_k
-        try:
-            points, bounds = run_frontier(model, list(request.prompts), list(request.widths), list(request.taus),
-                                          walk=WalkSettings(feature_set_hits=request.feature_set_hits),
-                                          max_tokens=request.max_tokens, log=log,
-                                          should_stop=lambda: request.cancel.is_set())
-        except MeasurementStopped:
-            worker.event.emit(FrontierResult(request.request_id, model.name, top_k, (), (), stopped=True))
-            return
-        worker.event.emit(FrontierResult(request.request_id, model.name, top_k, tuple(points), tuple(bounds)))
-    return handle
 
 
 def _pct(v: float) -> str:
@@ -96,8 +39,8 @@ class FrontierView(QWidget):
         self.client = client
         self.result: FrontierResult | None = None
         self._request: RunFrontier | None = None
-        client.worker.register_handler(RunFrontier, frontier_handler(client.worker))
-        client.event.connect(self._on_event)
+        client.frontier_progress.connect(self._on_progress)
+        client.frontier_finished.connect(self._on_finished)
         client.error.connect(self._on_error)
         client.model_loaded.connect(lambda _: self._update_enabled())
 
@@ -219,13 +162,13 @@ class FrontierView(QWidget):
         self.stop_button.setEnabled(self.busy)
 
     @Slot(object)
-    def _on_event(self, event: object) -> None:
-        mine = self._request is not None and getattr(event, "request_id", None) == self._request.request_id
-        if not mine:
-            return
-        if isinstance(event, FrontierProgress):
+    def _on_progress(self, event: FrontierProgress) -> None:
+        if self._request is not None and event.request_id == self._request.request_id:
             self.status.setText(f"{event.done}/{event.total}: {event.line}")
-        elif isinstance(event, FrontierResult):
+
+    @Slot(object)
+    def _on_finished(self, event: FrontierResult) -> None:
+        if self._request is not None and event.request_id == self._request.request_id:
             self._request = None
             if event.stopped:
                 self.status.setText("Stopped.")

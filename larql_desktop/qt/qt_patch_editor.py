@@ -12,17 +12,17 @@ from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, Q
                                QScrollArea, QSizePolicy, QSpinBox, QStyle, QTableWidget, QTableWidgetItem,
                                QTextBrowser, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 
+from larql_desktop.engine.services import ProbeOutcome
 from larql_desktop.qt.protocol import (ErrorReport, FactProbed, InsertCancelled, InsertFact, InsertFinished,
-                                       InsertProgress, LoadPatchFile, ModelInfo, PatchesChanged, PatchSaved, ProbeFact,
-                                       ProbePrompt, ProbeResult, RemovePatch, SavePatch)
+                                       InsertProgress, LoadPatchFile, ModelInfo, PatchesShown, PatchSaved, ProbeAnswered,
+                                       ProbeFact, ProbePrompt, RemovePatch, SavePatch)
 from larql_desktop.qt.qt_tables import read_only_table
 from larql_desktop.qt.worker import EngineClient
 
 _AUTO_LAYER = -1
-_FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeResult, ProbeFact: FactProbed,
-                 LoadPatchFile: PatchesChanged, RemovePatch: PatchesChanged, SavePatch: PatchSaved}
-_PATCH_CONTEXTS = ("INSERT", "Probe", "Probe fact", "Loading patch file", "Saving patch", "Removing patch",
-                   "Restoring patches")
+# Each request's last answer (an INSERT's patches and probe come before its InsertFinished).
+_FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeAnswered, ProbeFact: FactProbed,
+                 LoadPatchFile: PatchesShown, RemovePatch: PatchesShown, SavePatch: PatchSaved}
 # Before and after are whole continuations: the selected row's are shown in full, wrapped, under the table (seven
 # columns in a 400 px panel squeezed every text column to "T..."; the table keeps what compares at a glance).
 FACT_PROBE_COLUMNS = ["Kind", "Prompt", "P before", "P after", "Answers"]
@@ -50,7 +50,7 @@ class PatchEditor(QWidget):
         self.client = client
         self.patches: tuple = ()   # PatchSummary of each row of the list
         self._patches_version = 0
-        self.last_probe: ProbeResult | None = None
+        self.last_probe: ProbeOutcome | None = None
         self.last_insert: InsertFinished | None = None
         self.last_fact: ProbeFact | None = None           # the last fact inserted here ("Probe fact" probes it)
         self.last_fact_probes: FactProbed | None = None
@@ -81,7 +81,13 @@ class PatchEditor(QWidget):
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.addWidget(scroll)
-        client.event.connect(self._on_event)
+        client.insert_progress.connect(self._on_insert_progress)
+        client.patches_shown.connect(self._on_patches_shown)
+        client.insert_cancelled.connect(self._on_insert_cancelled)
+        client.insert_finished.connect(self._on_insert_finished)
+        client.probe_answered.connect(self._on_probe_answered)
+        client.fact_probed.connect(self._on_fact_probed)
+        client.patch_saved.connect(self._on_patch_saved)
         client.error.connect(self._on_error)
         client.model_loaded.connect(self._on_model_loaded)
         client.busy_changed.connect(self._update_enabled)
@@ -343,39 +349,54 @@ class PatchEditor(QWidget):
     # --- answers ---
 
     @Slot(object)
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, InsertProgress):
-            self.progress.setValue(round(max(0.0, min(1.0, event.fraction)) * 1000))
-            self.progress_label.setText(event.message)
-            return
-        if isinstance(event, PatchesChanged):
-            self._show_patches(event)
-        elif isinstance(event, InsertCancelled):
-            self.progress.hide()
-            self.progress_label.setText("INSERT cancelled: nothing was applied.")
-            self._pending.pop(event.request_id, None)
-            self._insert_finished(event.request_id)
-        elif isinstance(event, InsertFinished):
-            self.last_insert = event
-            request = self._insert_request
-            if request is not None and request.request_id == event.request_id:
-                self.last_fact = ProbeFact(0, request.entity, request.relation, request.target,
-                                           request.paraphrases)
-            self._insert_finished(event.request_id)
-            self.progress.hide()
-            self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
-                                        f"P(first target token) = {event.probability:.3f} on the fact's own prompt.")
-        elif isinstance(event, ProbeResult):
-            self._show_probe(event)
-        elif isinstance(event, FactProbed):
-            self._show_fact_probes(event)
-        elif isinstance(event, PatchSaved):
-            self.status.setText(f"Saved {event.path}")
-        else:
-            return
-        # Each request's last answer (an INSERT's patches and probe come before its InsertFinished).
-        if type(event) is _FINAL_ANSWER.get(self._pending.get(event.request_id)):
-            del self._pending[event.request_id]
+    def _on_insert_progress(self, event: InsertProgress) -> None:
+        self.progress.setValue(round(max(0.0, min(1.0, event.fraction)) * 1000))
+        self.progress_label.setText(event.message)
+
+    @Slot(object)
+    def _on_patches_shown(self, event: PatchesShown) -> None:
+        self._show_patches(event)
+        self._answered(event)
+
+    @Slot(object)
+    def _on_insert_cancelled(self, event: InsertCancelled) -> None:
+        self.progress.hide()
+        self.progress_label.setText("INSERT cancelled: nothing was applied.")
+        self._pending.pop(event.request_id, None)
+        self._insert_finished(event.request_id)
+        self._answered(event)
+
+    @Slot(object)
+    def _on_insert_finished(self, event: InsertFinished) -> None:
+        self.last_insert = event
+        request = self._insert_request
+        if request is not None and request.request_id == event.request_id:
+            self.last_fact = ProbeFact(0, request.entity, request.relation, request.target, request.paraphrases)
+        self._insert_finished(event.request_id)
+        self.progress.hide()
+        self.progress_label.setText(f"Inserted at layer {event.layer}, feature {event.feature}: "
+                                    f"P(first target token) = {event.probability:.3f} on the fact's own prompt.")
+        self._answered(event)
+
+    @Slot(object)
+    def _on_probe_answered(self, event: ProbeAnswered) -> None:
+        self._show_probe(event.outcome)
+        self._answered(event)
+
+    @Slot(object)
+    def _on_fact_probed(self, event: FactProbed) -> None:
+        self._show_fact_probes(event)
+        self._answered(event)
+
+    @Slot(object)
+    def _on_patch_saved(self, event: PatchSaved) -> None:
+        self.status.setText(f"Saved {event.path}")
+        self._answered(event)
+
+    def _answered(self, answer) -> None:
+        """A request of this panel is done once its last answer arrives."""
+        if type(answer) is _FINAL_ANSWER.get(self._pending.get(answer.request_id)):
+            del self._pending[answer.request_id]
         self._update_enabled()
 
     def _insert_finished(self, request_id: int) -> None:
@@ -385,7 +406,7 @@ class PatchEditor(QWidget):
 
     @Slot(object)
     def _on_error(self, report: ErrorReport) -> None:
-        if report.request_id in self._pending or report.context in _PATCH_CONTEXTS:
+        if report.request_id in self._pending:   # this panel's request (errors are routed by id, never by wording)
             self._insert_finished(report.request_id)
             self._pending.pop(report.request_id, None)
             self.progress.hide()
@@ -404,9 +425,10 @@ class PatchEditor(QWidget):
         self.progress.hide()
         self._update_enabled()
 
-    def _show_patches(self, event: PatchesChanged) -> None:
+    def _show_patches(self, shown: PatchesShown) -> None:
         # Events from HTTP clients and from this window may arrive out of order: never show an older state.
         # Version 0 is the full list sent after a model load, whose engine counts afresh.
+        event = shown.change
         if event.version and event.version < self._patches_version:
             return
         self._patches_version = event.version
@@ -420,11 +442,11 @@ class PatchEditor(QWidget):
             self.patch_list.addTopLevelItem(item)
         for col in (1, 2):
             self.patch_list.resizeColumnToContents(col)
-        layers = ", ".join(map(str, event.patched_layers)) or "none"
+        layers = ", ".join(map(str, event.overridden_layers)) or "none"
         self.status.setText(f"{len(event.patches)} patch{'es' if len(event.patches) != 1 else ''} applied; "
                             f"patched layers: {layers}")
 
-    def _show_probe(self, result: ProbeResult) -> None:
+    def _show_probe(self, result: ProbeOutcome) -> None:
         self.last_probe = result
         rows = ((result.base_text, result.base_probability), (result.patched_text, result.patched_probability))
         for row, (text, p) in enumerate(rows):

@@ -3,21 +3,21 @@ token at that layer, INSERT fired marked) and the logit lens of a token (at ever
 would predict through the final norm and head, and the chosen token's rank).
 
 Both come from the reply's pass recomputed once in the engine thread (engine/analysis/reply_pass.py) through
-handlers registered on the worker; the outcomes the map draws are the ones the engine recorded while it
+the worker's handlers (qt/lab_jobs.py); the outcomes the map draws are the ones the engine recorded while it
 generated (TokenEvent.layers), INSERT fired from the recomputed pass. The last pass is kept for the lens.
 """
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import QLabel, QTableWidgetItem, QVBoxLayout, QWidget
 
-from larql_desktop.engine.analysis.lens import LogitLens, logit_lens
-from larql_desktop.engine.analysis.reply_pass import CELL_LABELS, Cell, ReplyPass, outcome_grid, run_reply_pass
+from larql_desktop.engine.analysis.lens import LogitLens
+from larql_desktop.engine.analysis.reply_pass import CELL_LABELS, Cell, outcome_grid
+from larql_desktop.qt.protocol import AnalyseReply, LensResult, ReplyAnalysed, ShowLens
 from larql_desktop.qt.qt_tables import read_only_table
 from larql_desktop.qt.token_shading import visible
 
@@ -26,103 +26,6 @@ CELL_COLOURS = {Cell.L1_HIT: "#1f77b4", Cell.L2_HIT: "#ff7f0e", Cell.L3_HIT: "#1
                 Cell.BYPASS_FULL_K: "#6d6d6d", Cell.DENSE: "#5d4037", Cell.INSERT_FIRED: "#ffd400",
                 Cell.UNKNOWN: "#ffffff"}
 _RGB = np.array([[int(CELL_COLOURS[Cell(i)][k:k + 2], 16) for k in (1, 3, 5)] for i in range(len(Cell))], np.uint8)
-
-
-# --- requests and answers (engine thread) ---
-
-@dataclass(frozen=True)
-class AnalyseReply:
-    request_id: int
-    session_id: int
-    positions: tuple[int, ...]     # each token's pass (its last position in the session's history)
-    token_ids: tuple[int, ...]     # the tokens sampled from those passes (checked against the history)
-
-
-@dataclass(frozen=True)
-class ReplyAnalysed:
-    request_id: int
-    session_id: int
-    positions: tuple[int, ...]
-    fired: np.ndarray              # (n_layers, P) bool
-    fired_features: tuple          # per layer, per position: the INSERTed features that fired
-
-
-@dataclass(frozen=True)
-class ShowLens:
-    request_id: int
-    session_id: int
-    position: int
-    token_id: int
-
-
-@dataclass(frozen=True)
-class LensResult:
-    request_id: int
-    lens: LogitLens
-
-
-def _history_ids(worker, session_id: int, positions, token_ids) -> list[int]:
-    """The session's tokens up to the last pass, checked against the reply's tokens (ValueError if it moved on)."""
-    if worker.engine is None:
-        raise ValueError("load a model first")
-    session = worker.sessions.get(session_id)
-    if session is None or not positions or min(positions) < 0:
-        raise ValueError("this reply's chat session is gone (a reopened chat or another model): the pictures need "
-                         "a reply generated since the model loaded")
-    history = session.history
-    last = max(positions)
-    if last >= len(history):
-        raise ValueError("the chat has moved on since this reply: its tokens are no longer in the session")
-    for position, token in zip(positions, token_ids):
-        if position + 1 < len(history) and history[position + 1] != token and position != last:
-            raise ValueError("the chat has moved on since this reply (regenerated or edited): its tokens are no "
-                             "longer in the session")
-    return list(history[:last + 1])
-
-
-class ReplyAnalysis:
-    """The engine-thread side: analyses a reply's pass and answers lens requests from the last one analysed."""
-
-    def __init__(self, worker):
-        self.worker = worker
-        self._last: tuple | None = None   # (engine, session id, ids, ReplyPass, patch epoch) of the last pass
-
-    def register(self) -> None:
-        self.worker.register_handler(AnalyseReply, self.analyse)
-        self.worker.register_handler(ShowLens, self.lens)
-
-    def _pass(self, session_id: int, ids: list[int], positions: tuple[int, ...]) -> ReplyPass:
-        engine = self.worker.engine
-        last = self._last
-        # The pass at a position depends only on the tokens up to it: a longer analysed pass answers too.
-        if (last is not None and last[0] is engine and last[1] == session_id and last[2][:len(ids)] == tuple(ids)
-                and set(positions) <= set(last[3].positions) and engine.patches.epoch == last[4]):
-            return last[3]
-        reply_pass = run_reply_pass(engine, ids, positions)
-        self._last = (engine, session_id, tuple(ids), reply_pass, engine.patches.epoch)
-        return reply_pass
-
-    def analyse(self, request: AnalyseReply) -> None:
-        ids = _history_ids(self.worker, request.session_id, request.positions, request.token_ids)
-        reply_pass = self._pass(request.session_id, ids, tuple(request.positions))
-        index = [reply_pass.positions.index(p) for p in request.positions]
-        self.worker.event.emit(ReplyAnalysed(request.request_id, request.session_id, tuple(request.positions),
-                                             reply_pass.fired[:, index].copy(),
-                                             tuple(tuple(row[i] for i in index) for row in reply_pass.fired_features)))
-
-    def lens(self, request: ShowLens) -> None:
-        ids = _history_ids(self.worker, request.session_id, (request.position,), (request.token_id,))
-        reply_pass = self._pass(request.session_id, ids, (request.position,))
-        index = reply_pass.positions.index(request.position)
-        self.worker.event.emit(LensResult(request.request_id, logit_lens(self.worker.engine.model, reply_pass, index,
-                                                                         request.token_id)))
-
-
-def ensure_registered(client) -> None:
-    """Register the analysis handlers once per worker (several views share them)."""
-    if client.worker.reply_analysis is None:
-        client.worker.reply_analysis = ReplyAnalysis(client.worker)
-        client.worker.reply_analysis.register()
 
 
 # --- the reply x layer map ---
@@ -145,7 +48,6 @@ class ReplyMap(QWidget):
     def __init__(self, client, parent: QWidget | None = None):
         super().__init__(parent)
         self.client = client
-        ensure_registered(client)
         self.events: list = []
         self.turn = None
         self.grid = np.zeros((0, 0), np.int16)
@@ -173,7 +75,7 @@ class ReplyMap(QWidget):
         layout.addWidget(self.caption)
         layout.addWidget(self.plot_widget, 1)
         layout.addWidget(self.legend)
-        client.event.connect(self._on_event)
+        client.reply_analysed.connect(self._on_analysed)
         client.error.connect(self._on_error)
 
     def show_reply(self, turn, caption: str, analyse: bool = True) -> int | None:
@@ -234,8 +136,8 @@ class ReplyMap(QWidget):
             self.cell_clicked.emit(token, layer)
 
     @Slot(object)
-    def _on_event(self, event) -> None:
-        if isinstance(event, ReplyAnalysed) and event.request_id == self._pending:
+    def _on_analysed(self, event: ReplyAnalysed) -> None:
+        if event.request_id == self._pending:
             self._pending = None
             self.fired = event.fired
             if self.turn is not None:
@@ -246,7 +148,7 @@ class ReplyMap(QWidget):
 
     @Slot(object)
     def _on_error(self, report) -> None:
-        if self._pending is not None and getattr(report, "request_id", None) == self._pending:
+        if self._pending is not None and report.request_id == self._pending:
             self._pending = None
             self.caption.setText(f"{self.caption.text()} (where INSERTs fired is unknown: {report.message})")
 
@@ -262,7 +164,6 @@ class LensTable(QWidget):
     def __init__(self, client, parent: QWidget | None = None):
         super().__init__(parent)
         self.client = client
-        ensure_registered(client)
         self.lens: LogitLens | None = None
         self._pending: int | None = None
         self._event = None
@@ -278,7 +179,7 @@ class LensTable(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.status)
         layout.addWidget(self.table, 1)
-        client.event.connect(self._on_event)
+        client.lens_shown.connect(self._on_lens)
         client.error.connect(self._on_error)
 
     def set_token(self, event) -> None:
@@ -300,14 +201,14 @@ class LensTable(QWidget):
         return request.request_id
 
     @Slot(object)
-    def _on_event(self, event) -> None:
-        if isinstance(event, LensResult) and event.request_id == self._pending:
+    def _on_lens(self, event: LensResult) -> None:
+        if event.request_id == self._pending:
             self._pending = None
             self.show_lens(event.lens)
 
     @Slot(object)
     def _on_error(self, report) -> None:
-        if self._pending is not None and getattr(report, "request_id", None) == self._pending:
+        if self._pending is not None and report.request_id == self._pending:
             self._pending = None
             self.status.setText(f"Failed: {report.message}")
 

@@ -22,7 +22,7 @@ class ServerController(QObject):
         self.url: str | None = None
         self.error = ""
         self._pending: int | None = None    # the StartServer the controller still waits an answer for
-        client.event.connect(self._on_event)
+        client.server_state.connect(self._on_server_state)
 
     @property
     def starting(self) -> bool:
@@ -55,9 +55,7 @@ class ServerController(QObject):
         self._pending, self.url = None, None
 
     @Slot(object)
-    def _on_event(self, event) -> None:
-        if not isinstance(event, ServerState):
-            return
+    def _on_server_state(self, event: ServerState) -> None:
         # Answers arrive in request order, so the last one describes the worker's server.
         self.url, self.error = event.url, event.error
         if event.request_id == self._pending:

@@ -25,25 +25,26 @@ import math
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from larql_desktop.engine.catalog import PACKAGED_MODELS
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.model.generation import TokenStep
 from larql_desktop.engine.cache.l3 import L3Store
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.loading import LoadedModel, load_model
-from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.session import ChatSession, ReplyStream, checked_messages
 from larql_desktop.qt import engine_jobs
+from larql_desktop.qt.lab_jobs import LabJobs
 from larql_desktop.qt.cache_monitor_model import cache_counts
 from larql_desktop.engine.core import CacheSettings
-from larql_desktop.engine.core import PatchesChanged as EnginePatchesChanged
+from larql_desktop.engine.core import PatchesChanged
 from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.engine.patches import insert as inserting
 from larql_desktop.engine.services import DEFAULT_API_HOST
-from larql_desktop.qt.protocol import (ClearCaches, CloseSession, ConfigureCache, EngineActivity, ErrorReport,
+from larql_desktop.engine.model.generation import SamplingSettings
+from larql_desktop.qt.protocol import (ANSWERS, ClearCaches, CloseSession, OpenChat, SetSystemPrompt, ConfigureCache, EngineActivity, ErrorReport,
                                        InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbeFact, ProbePrompt,
                                        Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
                                        SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
@@ -83,7 +84,7 @@ class EngineWorker(QObject):
     reply_finished = Signal(object)      # ReplyFinished
     error = Signal(object)               # ErrorReport
     stats = Signal(object)               # CacheStatsEvent
-    event = Signal(object)               # any other frozen snapshot (patches, INSERT progress, probes…)
+    answer = Signal(object)              # any other answer: one of protocol.ANSWERS (the client routes it by type)
 
     def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None,
                  serve: Callable | None = None, applied: AppliedPatchStore | None = None):
@@ -94,13 +95,15 @@ class EngineWorker(QObject):
         self._loader = loader
         self._serve = serve                      # serve(engine, host, port) -> handle with .url and .stop()
         self._server = None                      # the running server's handle
-        self.reply_analysis = None               # qt_reply_views.ReplyAnalysis, once a reply view registered it
         self._server_port: int | None = None     # the port the user wants served (None: not serving)
         self._unsubscribe: Callable[[], None] | None = None
         self._shutdown = threading.Event()
         self.model: LoadedModel | None = None
         self.engine: LarqlEngine | None = None
         self.sessions: dict[int, ChatSession] = {}
+        # Conversations without a session yet (opened before a model loaded, or carried over a model change):
+        # the session made for that chat starts from it.
+        self._waiting: dict[int, tuple[tuple[tuple[str, str], ...], str | None]] = {}
         self.cache_settings = CacheSettings()   # applied to the next model's engine too
         self._engine_ids = itertools.count(1)
         self._engine_id = 0
@@ -109,6 +112,8 @@ class EngineWorker(QObject):
             LoadModel: self._load_model,
             SendPrompt: self._send_prompt,
             Regenerate: self._regenerate,
+            OpenChat: self._open_chat,
+            SetSystemPrompt: self._set_system_prompt,
             CloseSession: self._close_session,
             ConfigureCache: self._configure_cache,
             ClearCaches: self._clear_caches,
@@ -116,19 +121,14 @@ class EngineWorker(QObject):
             RequestStats: self._request_stats,
             InsertFact: self._insert_fact,
             ProbePrompt: self._probe,
-            ProbeFact: lambda r: self.event.emit(engine_jobs.fact_probes(self._engine(), r)),
+            ProbeFact: lambda r: self.answer.emit(engine_jobs.fact_probes(self._engine(), r)),
             LoadPatchFile: self._load_patch_file,
             RemovePatch: self._remove_patch,
-            SavePatch: lambda r: self.event.emit(engine_jobs.save_patch(self._engine(), r)),
+            SavePatch: lambda r: self.answer.emit(engine_jobs.save_patch(self._engine(), r)),
             StartServer: self._start_server,
             StopServer: self._stop_server,
+            **LabJobs(self, self.answer.emit).handlers(),
         }
-
-    def register_handler(self, request_type: type, handler: Callable[[object], None]) -> None:
-        """Extension point: `handler(request)` runs in the engine thread and may read `self.model`,
-        `self.engine` and `self.sessions`; it reports by emitting `self.event` with a frozen snapshot. Raised exceptions become
-        `error` reports. Register before the client sends the first request of that type."""
-        self._handlers[request_type] = handler
 
     def request_shutdown(self) -> None:
         """Thread-safe: makes the running handler return at its next check and drops queued requests."""
@@ -196,11 +196,13 @@ class EngineWorker(QObject):
         self._unsubscribe = engine.subscribe(lambda event: self._on_engine_event(engine, event))
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
+        for session_id, session in self.sessions.items():   # the conversations continue on the new model
+            self._waiting[session_id] = (session.transcript(), session.system_prompt)
         self.sessions.clear()
         self._active_session = None
         self.load_progress.emit(f"Loaded {model.name}", 1.0)
         self.model_loaded.emit(model_info(request.request_id, model))
-        self.event.emit(engine_jobs.current_patches(engine, request.request_id))
+        self.answer.emit(engine_jobs.current_patches(engine, request.request_id))
         for problem in problems:
             self.error.emit(ErrorReport(None, None, "Restoring patches", problem))
         self._emit_stats()
@@ -217,17 +219,20 @@ class EngineWorker(QObject):
         session = self.sessions.get(session_id)
         if session is None:
             session = self.sessions[session_id] = engine.new_session()   # its own L1, the shared L2
+            waiting = self._waiting.pop(session_id, None)
+            if waiting is not None:
+                session.restore(*waiting)
         return session
 
     def _on_engine_event(self, engine: LarqlEngine, event) -> None:
         """Runs in whichever thread changed the engine (this one, or an HTTP request's): emits signals and keeps
         the applied patches on disk."""
-        if isinstance(event, EnginePatchesChanged):
+        if isinstance(event, PatchesChanged):
             if self._applied is not None:
                 self._applied.save(engine.model.checksum, engine.applied_patches)   # the newest list, whoever wins
-            self.event.emit(engine_jobs.patches_changed(event))
+            self.answer.emit(engine_jobs.patches_changed(event))
         elif not (isinstance(event.origin, tuple) and event.origin[:1] == ("window",)):
-            self.event.emit(EngineActivity(event.version))   # the window asks for a snapshot when it is free
+            self.answer.emit(EngineActivity(event.version))   # the window asks for a snapshot when it is free
 
     def _emit_stats(self) -> None:
         if self.engine is not None:
@@ -235,24 +240,34 @@ class EngineWorker(QObject):
             self.stats.emit(engine_jobs.stats_event(self.engine, self._engine_id, session_id,
                                                     self.sessions.get(session_id)))
 
-    def _followed_session(self, request: SendPrompt | Regenerate) -> ChatSession:
-        """The request's session, holding the chat the window sent (a saved chat, or one after a model change)."""
-        session = self._session(request.session_id)
-        if request.history is not None:
-            session.restore(request.history, request.system_prompt)
-        return session
+    def _open_chat(self, request: OpenChat) -> None:
+        conversation = (checked_messages(request.messages), request.system_prompt)   # refused: nothing changes
+        session = self.sessions.get(request.session_id)
+        if session is not None:
+            session.restore(*conversation)
+        else:
+            self._waiting[request.session_id] = conversation
+
+    def _set_system_prompt(self, request: SetSystemPrompt) -> None:
+        session = self.sessions.get(request.session_id)
+        if session is not None:
+            session.system_prompt = request.system_prompt
+        else:
+            messages, _ = self._waiting.get(request.session_id, ((), None))
+            self._waiting[request.session_id] = (messages, request.system_prompt)
 
     def _send_prompt(self, request: SendPrompt) -> None:
-        session = self._followed_session(request)
+        session = self._session(request.session_id)
         steps = session.reply(request.text, request.settings)   # refuses bad prompts before changing anything
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, request.text)
 
     def _regenerate(self, request: Regenerate) -> None:
-        session = self._followed_session(request)
+        session = self._session(request.session_id)
         steps = session.regenerate(request.settings)
         self._stream(request.request_id, request.session_id, session, steps, request.cancel, None)
 
     def _close_session(self, request: CloseSession) -> None:
+        self._waiting.pop(request.session_id, None)
         session = self.sessions.pop(request.session_id, None)
         if session is not None and self.engine is not None:
             self.engine.close_session(session)
@@ -292,25 +307,25 @@ class EngineWorker(QObject):
         def progress(message: str, fraction: float) -> None:
             if self._shutdown.is_set():
                 raise LoadCancelled()
-            self.event.emit(InsertProgress(request.request_id, message, float(fraction)))
+            self.answer.emit(InsertProgress(request.request_id, message, float(fraction)))
 
         try:   # the user's Cancel reaches the inserter as request.cancel, checked between its steps
             finished = engine_jobs.insert_fact(engine, request, progress)   # the engine's event lists the patches
         except inserting.InsertCancelled:
-            self.event.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
+            self.answer.emit(InsertCancelled(request.request_id))   # the patch is applied only at the very end
             return
         self._emit_stats()
         if request.probe.strip():
-            self.event.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
+            self.answer.emit(engine_jobs.probe(engine, ProbePrompt(request.request_id, request.probe,
                                                                   request.target)))
         # The fact where people ask it: its prompt, the paraphrases and a chat question, before and after.
-        self.event.emit(engine_jobs.fact_probes(engine, ProbeFact(request.request_id, request.entity,
+        self.answer.emit(engine_jobs.fact_probes(engine, ProbeFact(request.request_id, request.entity,
                                                                   request.relation, request.target,
                                                                   request.paraphrases)))
-        self.event.emit(finished)   # last: the INSERT's answers are complete
+        self.answer.emit(finished)   # last: the INSERT's answers are complete
 
     def _probe(self, request: ProbePrompt) -> None:
-        self.event.emit(engine_jobs.probe(self._engine(), request))
+        self.answer.emit(engine_jobs.probe(self._engine(), request))
 
     def _load_patch_file(self, request: LoadPatchFile) -> None:
         engine = self._engine()
@@ -328,7 +343,7 @@ class EngineWorker(QObject):
         if self._serve is None or not 0 <= request.port <= 65535:
             problem = "this app was started without the HTTP API" if self._serve is None else \
                 f"port {request.port} is out of range 0..65535"
-            self.event.emit(ServerState(request.request_id, None, problem))
+            self.answer.emit(ServerState(request.request_id, None, problem))
             return
         self._server_port = request.port
         self._serve_now(request.request_id)
@@ -336,22 +351,22 @@ class EngineWorker(QObject):
     def _stop_server(self, request: StopServer) -> None:
         self._server_port = None
         self._stop_serving()
-        self.event.emit(ServerState(request.request_id, None))
+        self.answer.emit(ServerState(request.request_id, None))
 
     def _serve_now(self, request_id: int) -> None:
         """(Re)start serving the current engine on the wanted port; a failure is reported and stops wanting it."""
         self._stop_serving()
         if self.engine is None:
-            self.event.emit(ServerState(request_id, None))   # starts once a model is loaded
+            self.answer.emit(ServerState(request_id, None))   # starts once a model is loaded
             return
         try:
             self._server = self._serve(self.engine, DEFAULT_API_HOST, self._server_port)
         except (OSError, ValueError, RuntimeError) as exc:
             self._server_port = None
-            self.event.emit(ServerState(request_id, None, str(exc) or type(exc).__name__))
+            self.answer.emit(ServerState(request_id, None, str(exc) or type(exc).__name__))
             return
         log.info("HTTP API serving %s on %s", self.model.name, self._server.url)
-        self.event.emit(ServerState(request_id, self._server.url))
+        self.answer.emit(ServerState(request_id, self._server.url))
 
     def _stop_serving(self) -> None:
         server, self._server = self._server, None
@@ -359,7 +374,7 @@ class EngineWorker(QObject):
             server.stop()
             log.info("HTTP API on %s stopped", server.url)
 
-    def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: Iterator[TokenStep],
+    def _stream(self, request_id: int, session_id: int, session: ChatSession, steps: ReplyStream,
                 cancel: threading.Event, prompt: str | None) -> None:
         self.reply_started.emit(ReplyStarted(request_id, session_id, prompt))
         self._active_session = session_id
@@ -394,26 +409,19 @@ class EngineWorker(QObject):
         finally:
             if held:
                 self.tokens.emit(tuple(held))
-            close = getattr(steps, "close", None)
-            if close:
-                close()   # lets the session store the reply (and any held-back UTF-8 tail)
-            text = session.messages[-1]["content"] if session.messages else ""
+            steps.close()   # ends the reply: its final text (any held-back UTF-8 tail included) is settled
+            text = steps.text
             counts = cache_counts(before, engine.session_snapshot(session))
             self.reply_finished.emit(ReplyFinished(request_id, session_id, text, stats.finish(outcome, counts)))
             self._emit_stats()
 
 
-_CONTEXTS = {SendPrompt: "Reply", Regenerate: "Reply", ConfigureCache: "Cache settings",
-             ClearCaches: "Clearing caches", ResetStats: "Resetting statistics", InsertFact: "INSERT",
-             ProbePrompt: "Probe", ProbeFact: "Probe fact", LoadPatchFile: "Loading patch file", SavePatch: "Saving patch",
-             RemovePatch: "Removing patch", StartServer: "HTTP API", StopServer: "HTTP API"}
-
-
 def _context(request: object) -> str:
+    """What failed, in the user's words: the request's label (a model's load names the model)."""
     if isinstance(request, LoadModel):
         name = request.name_or_path
         return f"Loading {PACKAGED_MODELS[name].display_name if name in PACKAGED_MODELS else name}"
-    return _CONTEXTS.get(type(request), type(request).__name__)
+    return getattr(type(request), "label", type(request).__name__)
 
 
 class EngineClient(QObject):
@@ -432,8 +440,26 @@ class EngineClient(QObject):
     reply_finished = Signal(object)
     error = Signal(object)
     stats = Signal(object)
-    event = Signal(object)
     busy_changed = Signal()
+    # One signal per answer type (protocol.ANSWERS): a panel connects to the answers it wants and routes them by
+    # request_id, as it does errors.
+    patches_shown = Signal(object)       # PatchesShown: the applied patches changed (this window or an HTTP client)
+    engine_activity = Signal(object)     # EngineActivity: an HTTP client moved the statistics
+    server_state = Signal(object)        # ServerState
+    insert_progress = Signal(object)     # InsertProgress
+    insert_cancelled = Signal(object)    # InsertCancelled
+    insert_finished = Signal(object)     # InsertFinished
+    probe_answered = Signal(object)      # ProbeAnswered
+    fact_probed = Signal(object)         # FactProbed
+    patch_saved = Signal(object)         # PatchSaved
+    reply_analysed = Signal(object)      # ReplyAnalysed
+    lens_shown = Signal(object)          # LensResult
+    features_shown = Signal(object)      # FeaturesResult
+    collapse_progress = Signal(object)   # CollapseProgress
+    collapse_finished = Signal(object)   # CollapseResult
+    collapse_stopped = Signal(object)    # CollapseStopped
+    frontier_progress = Signal(object)   # FrontierProgress
+    frontier_finished = Signal(object)   # FrontierResult
 
     _submit = Signal(object)
 
@@ -461,7 +487,8 @@ class EngineClient(QObject):
         self.worker.reply_finished.connect(self._on_reply_finished)
         self.worker.error.connect(self._on_error)
         self.worker.stats.connect(self._on_stats)
-        self.worker.event.connect(self._on_event)
+        self.worker.answer.connect(self._on_answer)
+        self._answer_signals = {kind: getattr(self, name) for kind, name in ANSWERS.items()}
         self._thread.start()
 
     # --- state ---
@@ -488,7 +515,7 @@ class EngineClient(QObject):
         return next(self._ids)
 
     def submit(self, request: object) -> None:
-        """Send any request (including types registered by panels) to the worker."""
+        """Send a request (one of protocol's) to the worker."""
         if not self._thread.isRunning():
             raise RuntimeError("the engine thread has been shut down")
         self._submit.emit(request)
@@ -501,13 +528,20 @@ class EngineClient(QObject):
         self.busy_changed.emit()
         return request.request_id
 
-    def send_prompt(self, session_id: int, text: str, settings, history=None, system_prompt=None) -> int:
-        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings,
-                                      history=history, system_prompt=system_prompt))
+    def open_chat(self, session_id: int, messages: tuple[tuple[str, str], ...], system_prompt: str | None) -> int:
+        """Hand a saved chat's conversation to its session (once: the session holds it from then on)."""
+        request = OpenChat(self.next_request_id(), session_id, tuple(messages), system_prompt)
+        self.submit(request)
+        return request.request_id
 
-    def regenerate(self, session_id: int, settings, history=None, system_prompt=None) -> int:
-        return self._start(Regenerate(self.next_request_id(), session_id, settings,
-                                      history=history, system_prompt=system_prompt))
+    def set_system_prompt(self, session_id: int, system_prompt: str | None) -> None:
+        self.submit(SetSystemPrompt(self.next_request_id(), session_id, system_prompt))
+
+    def send_prompt(self, session_id: int, text: str, settings: SamplingSettings) -> int:
+        return self._start(SendPrompt(self.next_request_id(), session_id, text, settings))
+
+    def regenerate(self, session_id: int, settings: SamplingSettings) -> int:
+        return self._start(Regenerate(self.next_request_id(), session_id, settings))
 
     def _start(self, request: SendPrompt | Regenerate) -> int:
         if self._generation is not None:
@@ -586,5 +620,5 @@ class EngineClient(QObject):
         self.stats.emit(event)
 
     @Slot(object)
-    def _on_event(self, snapshot: object) -> None:
-        self.event.emit(snapshot)
+    def _on_answer(self, answer: object) -> None:
+        self._answer_signals[type(answer)].emit(answer)   # a type missing from ANSWERS is a bug: it raises

@@ -9,10 +9,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
+from larql_desktop.engine.model.stops import checked_stop_strings
 from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 200
 ALTERNATIVES = 5            # top tokens reported per step
 
 
@@ -66,13 +65,7 @@ class SamplingSettings:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer, not {self.seed!r}")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop strings must be a list of strings")
-        object.__setattr__(self, "stop", tuple(self.stop))   # a list from JSON becomes hashable
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, not {len(self.stop)}")
-        if any(not s or len(s) > MAX_STOP_LENGTH for s in self.stop):
-            raise ValueError(f"a stop string must have 1 to {MAX_STOP_LENGTH} characters")
+        object.__setattr__(self, "stop", checked_stop_strings(self.stop))   # a list from JSON becomes hashable
 
     @property
     def penalised(self) -> bool:

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+# One limit for every front-end (the window's chats, the HTTP API, the command line): the OpenAI API's.
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 200
+
+
+def checked_stop_strings(stops: object) -> tuple[str, ...]:
+    """`stops` as a tuple, or ValueError naming what is wrong (too many, empty, too long, not strings)."""
+    if isinstance(stops, str) or not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("stop strings must be a list of strings")
+    if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} "
+                         f"characters (got {len(stops)}, of {min(map(len, stops), default=0)} to "
+                         f"{max(map(len, stops), default=0)} characters)")
+    return tuple(stops)
+
 
 class StopStrings:
     """Cuts streamed text at the first of some stop strings, which never reach the client: text that could be
