@@ -10,6 +10,7 @@ from typing import Generator, Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
 from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.model.batch import BatchRow, DecodeBatch
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.stops import StopStrings
 
@@ -40,7 +41,7 @@ class CompletionRun:
     """
 
     def __init__(self, engine: LarqlEngine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, batch: DecodeBatch | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -68,6 +69,10 @@ class CompletionRun:
         self.logprobs: list[tuple[object, int]] = []
         self._logprobs_taken = 0
         self._text_length = 0
+        # With `batch`: the reply decodes in a row of it once its prompt has run, if its FFN is one the batch
+        # computes and a row is free (`row`); its steps are then the batch's to run (DecodeBatch.step).
+        self._batch = batch
+        self.row: BatchRow | None = None
 
     def take_logprobs(self) -> list[tuple[object, int]]:
         """The reply tokens' logprobs not taken yet (a stream sends each with the chunk after its token)."""
@@ -90,6 +95,8 @@ class CompletionRun:
                 return ""                       # more of the prompt to run: other requests' turns first
             self._prefill = None
             self.cached_tokens = self.session.reused_tokens
+            if self._batch is not None and self._batch.can_join(self.session.ffn):
+                self.row = self._batch.join(self.session)
         try:
             step = next(self._steps)
         except StopIteration:
@@ -124,6 +131,8 @@ class CompletionRun:
             if self._prefill is not None:
                 self._prefill.close()
             self._steps.close()
+            if self.row is not None:
+                self.row.batch.leave(self.row)     # the row is free for another reply at once
             self.engine.close_session(self.session)
             counts = cache_counts(None, self.engine.session_snapshot(self.session))
             self._result = CompletionResult("".join(self._emitted), self.prompt_tokens, self.completion_tokens,

@@ -1,0 +1,127 @@
+"""The dense whole-model decoder for B sequences at once: one decode step (one token) of every row in one call.
+
+Concurrent API requests decode together this way (engine/model/batch.py): the weights are read once per step for
+all rows, so B rows cost little more than one on a memory-bound CPU. It is graphs/decoder.py's dense decoder
+composition (the same layer, dense FFN and head graphs, node for node) with the batch on the first axis:
+
+  inputs   h (B, d) each row's embedded token, f0 (B, d) zeros, every layer's KV cache (B, kv_heads, C, hd)
+           (bound as past and present: each row's new keys/values land in place at its own position),
+           seqlens_k (B,) each row's position, total_len the largest position + 1, one cos/sin table per rope base
+  output   logits (B, vocab)
+
+Every node but attention works row by row already (norms, MatMulNBits with int8 activations quantised per row
+block, the head). GroupQueryAttention takes the batch from the 3-D query: the layer graph folds its (T, d) rows
+into one sequence (1, T, d); here each row is a sequence of its own (B, 1, d), whose rotary position and attended
+keys come from its own seqlens_k (past keys 0..seqlens_k[b], the sliding window counted from there).
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.graphs.decoder import DECODER_EXPORT_FORMAT, _head, _layers_with_ffn, rope_bases
+from larql_desktop.engine.graphs.ffn import build_dense_graph
+from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
+from larql_desktop.engine.model.config import ModelConfig
+
+BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
+MANIFEST = "batched.manifest.json"
+FILE = "decoder.batched.onnx"
+FLOAT = TensorProto.FLOAT
+# The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
+_SEQUENCE_SHAPE = "_3d_shape"
+
+
+def _rows_as_sequences(inits: list) -> None:
+    """Turn the layer graphs' (1, T, width) reshapes (all rows one sequence) into (B, 1, width) (a sequence per
+    row), in place."""
+    for i, tensor in enumerate(inits):
+        if tensor.name.endswith(_SEQUENCE_SHAPE):
+            shape = numpy_helper.to_array(tensor)
+            if shape.tolist()[:2] != [1, -1]:
+                raise ValueError(f"{tensor.name}: expected a (1, -1, width) reshape, found {shape.tolist()}")
+            inits[i] = numpy_helper.from_array(np.array([-1, 1, shape[2]], np.int64), tensor.name)
+
+
+def build_batched_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    n = cfg.n_layers
+    nodes, inits = _layers_with_ffn(gguf, cfg, build_dense_graph)
+    _rows_as_sequences(inits)
+    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
+    nodes += more_nodes
+    inits += more_inits
+    cache = ["B", cfg.n_kv_heads, "C", cfg.head_dim]
+    inputs = [helper.make_tensor_value_info("h", FLOAT, ["B", cfg.hidden]),
+              helper.make_tensor_value_info("f0", FLOAT, ["B", cfg.hidden])]
+    outputs = [helper.make_tensor_value_info("logits", FLOAT, ["B", cfg.vocab_size])]
+    for i in range(n):
+        inputs += [helper.make_tensor_value_info(f"past_key{i}", FLOAT, cache),
+                   helper.make_tensor_value_info(f"past_value{i}", FLOAT, cache)]
+        outputs += [helper.make_tensor_value_info(f"present_key{i}", FLOAT, cache),
+                    helper.make_tensor_value_info(f"present_value{i}", FLOAT, cache)]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+               helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+    for t in range(len(rope_bases(cfg))):
+        inputs += [helper.make_tensor_value_info(f"cos{t}", FLOAT, ["P", cfg.head_dim // 2]),
+                   helper.make_tensor_value_info(f"sin{t}", FLOAT, ["P", cfg.head_dim // 2])]
+    return make_model(nodes, inits, inputs, outputs, "batched_decoder")
+
+
+class OnnxBatchedDecoder:
+    """The batched dense decoder of one model: exported beside the other decoders on first use (its own manifest),
+    its session made on first use. Not thread-safe per thread of use: one caller steps a batch at a time."""
+
+    def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path, threads: int = 2,
+                 progress: Progress | None = None):
+        self.config = config
+        self.bases = rope_bases(config)
+        store = GraphStore(Path(onnx_root) / checksum, MANIFEST, BATCHED_EXPORT_FORMAT, progress)
+        build = partial(build_batched_decoder_graph, gguf, config)
+        store.ensure(FILE, build, "Exporting the batched decoder graph to ONNX", optimized=True)
+        store.save()
+        self._sessions = LazySessions(store, [(FILE, build)], partial(session_options, threads, spinning=True),
+                                      optimized=True)
+        self._local = threading.local()
+        self._zeros = ZeroRows(config.hidden)
+
+    def load_session(self) -> None:
+        self._sessions.load_all(None, "Loading the batched decoder graph")
+
+    def run(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+            rope) -> np.ndarray:
+        """Logits (B, vocab) of one token per row: h (B, d) the rows' embedded tokens at `positions` (B,) int;
+        keys/values: per layer (B, kv_heads, C, hd) contiguous, each row holding its context before its
+        position, written in place at it (C > every position: the caller made room)."""
+        B = h.shape[0]
+        if not B == positions.shape[0] == keys[0].shape[0]:
+            raise ValueError(f"{B} rows of h, {positions.shape[0]} positions, {keys[0].shape[0]} cache rows")
+        binding = getattr(self._local, "binding", None)
+        if binding is None:
+            binding = self._local.binding = Binding(self._sessions[0])
+        seqlens = np.ascontiguousarray(positions, dtype=np.int32)
+        total = int(seqlens.max()) + 1
+        if total > keys[0].shape[2]:
+            raise ValueError(f"position {total - 1} is beyond the cache's {keys[0].shape[2]} positions")
+        binding.bind_input("seqlens_k", seqlens)
+        binding.bind_input("total_len", np.array(total, np.int32))
+        for t, base in enumerate(self.bases):
+            cos, sin = rope.table(base, total)
+            binding.bind_input(f"cos{t}", cos)
+            binding.bind_input(f"sin{t}", sin)
+        binding.bind_input("h", np.ascontiguousarray(h, dtype=np.float32))
+        binding.bind_input("f0", self._zeros(B))
+        for i in range(self.config.n_layers):
+            binding.bind_input(f"past_key{i}", keys[i])
+            binding.bind_input(f"past_value{i}", values[i])
+            binding.bind_output(f"present_key{i}", keys[i])
+            binding.bind_output(f"present_value{i}", values[i])
+        logits = np.empty((B, self.config.vocab_size), np.float32)
+        binding.bind_output("logits", logits)
+        binding.run()
+        return logits
