@@ -10,6 +10,8 @@ from typing import Generator, Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
 from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
+from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.batch import BatchRow, DecodeBatch
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.stops import StopStrings
@@ -19,8 +21,21 @@ FINISH_STOP = "stop"       # a stop token or a stop string
 FINISH_LENGTH = "length"   # max tokens or the context limit
 
 
+DEFAULT_BATCH_ROWS = 8      # replies decoding together at most (more decode on their own, in turns)
+
+
 class PromptTooLong(ValueError):
     pass
+
+
+def decode_batch(model: LoadedModel, max_rows: int = DEFAULT_BATCH_ROWS) -> DecodeBatch | None:
+    """A DecodeBatch over `model`'s batched decoder graph (exported beside its other graphs on first use), or None
+    for a model without decoder graphs (the numpy reference) or `max_rows` 0."""
+    decoder = model.transformer.decoder
+    if decoder is None or max_rows == 0:
+        return None
+    batched = OnnxBatchedDecoder(model.gguf, model.config, model.checksum, decoder.directory.parent, model.threads)
+    return DecodeBatch(model.transformer, batched, max_rows)
 
 
 @dataclass(frozen=True)
