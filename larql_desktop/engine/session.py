@@ -46,9 +46,6 @@ class ChatSession:
         # None: the chat template's own default (SmolLM2's names the assistant); "" an explicitly empty one.
         self.system_prompt: str | None = None
         self.kv = KvCache(model.config)
-        # Runs the reply's decode passes in place of the model's forward when set (a DecodeBatch row's; the
-        # batch also swaps `kv` for the row's while the reply is in it).
-        self.step_forward: Callable | None = None
         self.history: list[int] = []   # token ids the KV cache holds
         # Next-token logits at the end of the last prompt (and the FFN outcomes of that pass), so a regeneration
         # starts from exactly the same state (re-running the last prompt token alone would differ from the
@@ -111,7 +108,7 @@ class ChatSession:
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
                                token_text=self._token_text, recorder=recorder, first_layers=layers,
-                               logprobs=logprobs, forward=self.step_forward):
+                               logprobs=logprobs):
                 reply.append(step.text)
                 self.messages[-1]["content"] = "".join(reply)
                 yield step

@@ -3,16 +3,17 @@
 A reply prefills in its own session as always (chunked, through the prefix cache), then joins the batch: its KV
 moves into a row of a pool shaped (rows, kv_heads, capacity, head_dim) per layer, and its session's `kv` becomes a
 `SlotKv`, that row's views. From then on each `DecodeBatch.step` advances every row by one token: each row's own
-code (the session's decode generator: sampling, stop strings, logprobs) runs in a thread of its own up to its
-forward pass, which it hands to the batch (`BatchRow.forward`, the session's `step_forward`); when every row has
-handed in its token or finished its step, one call of the batched decoder graph computes all their logits and
-the rows go on. Nothing of a row's reply is computed differently from the single path but the batched kernels
-(tests/test_batched_decode.py measures the agreement).
+code runs in a thread of its own (the session's decode generator: the model's forward pass, sampling, stop
+strings, logprobs, the walk's cache lookups), exactly as on the single path, up to the call of a whole-model
+decoder graph: the model's decoder is a `RowRouter`, which hands that call from a row's thread to the batch. When
+every row has handed in its call or finished its step, one call of the batched graph (graphs/batched.py) computes
+them all, and each row goes on with its own result: the dense decoder's logits, or the walked decoder's pass,
+which the row's walk settles (keys, lookups, stores, and from a hit on, its layers redone) as a single step.
 
-Only passes the single path would run in the dense decoder graph are batched (`ffn.runs_plain_dense()`): a row
-whose FFN is the walk (or whose settings change mid-reply) runs its forward pass on its own, through
-`TransformerModel.forward` over its row, exactly as the single path. A row leaves (its pool row is freed, the last
-row moved into its place) when its reply ends or its client goes away, between steps.
+So only the graph call is shared: what a row's FFN decides, and its cache counts, are the single path's. A
+decode step planned from the walk's cache (the served and replay decoders), a prefill, and a call whose kind
+differs from the batch's this step run on their own, as the single path runs them. A row leaves (its pool row is
+freed, the last row moved into its place) when its reply ends or its client goes away, between steps.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class BatchStats:
     left: int
     steps: int              # batched decoder calls
     row_steps: int          # tokens they computed (rows summed over steps)
-    solo_steps: int         # forward passes rows ran on their own (an FFN the batched graph does not compute)
+    solo_steps: int         # decoder calls rows handed in but ran on their own (another kind than the step's)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -75,30 +76,62 @@ class BatchRow:
         self.session = session
         self.kv = kv
         self.index = -1
-        self._token: int | None = None      # handed in for this step
-        self._logits: np.ndarray | None = None
+        self._kind: tuple | None = None     # what it handed in this step: ("dense",) or ("walked", k)
+        self._h: np.ndarray | None = None
+        self._result = None
         self._error: BaseException | None = None
+        self._solo = False                  # this step its call runs on its own (another kind than the batch's)
         self._ready = threading.Event()
 
-    def forward(self, ids, kv: KvCache, ffn: FfnCall) -> np.ndarray:
-        """The session's decode forward pass (its `step_forward`), in the row's step thread: a dense step waits
-        for the batch's call; anything else runs on its own as the single path runs it."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size != 1 or kv is not self.kv or not self.batch.batches(ffn):
-            self.batch._count_solo()
-            return self.batch.model.forward(ids, kv, ffn)
-        if not 0 <= int(ids[0]) < self.batch.model.config.vocab_size:
-            raise ValueError(f"token id out of range for a vocabulary of {self.batch.model.config.vocab_size}")
-        assert isinstance(ffn, PassAwareFfn)
-        ffn.record_dense_pass()
+    def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object]):
+        """In the row's step thread: wait for the batch to run this decoder call (`run_alone` runs it on its own,
+        when the batch says so) and return its result."""
         self._ready.clear()
-        self.batch._hand_in(self, int(ids[0]))
+        self._h = h
+        self.batch._hand_in(self, kind)
         self._ready.wait()
         if self._error is not None:
             raise self._error
-        assert self._logits is not None
-        logits, self._logits = self._logits, None
-        return logits
+        if self._solo:
+            return run_alone()
+        result, self._result = self._result, None
+        return result
+
+
+class RowRouter:
+    """Stands in for a model's decoder (graphs/decoder.py's OnnxDecoder): a decode step's dense or walked decoder
+    call made from a batch row's step thread, on that row's KV, goes to the row's batch; every other call (other
+    threads: the app's chats, prefills, the served and replay decoders) goes to the decoder itself. Installed
+    once per model (`install`), whatever the number of batches."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.local = threading.local()       # .row: the BatchRow whose step this thread runs
+
+    @classmethod
+    def install(cls, model: TransformerModel) -> "RowRouter":
+        if isinstance(model.decoder, RowRouter):
+            return model.decoder
+        router = cls(model.decoder)
+        model.use_graphs(model.graphs, router, model.softmax)
+        return router
+
+    def __getattr__(self, name: str):
+        return getattr(self.decoder, name)
+
+    def _row_for(self, h: np.ndarray, kv) -> BatchRow | None:
+        row = getattr(self.local, "row", None)
+        return row if row is not None and h.shape[0] == 1 and kv is row.kv else None
+
+    def run(self, h: np.ndarray, start: int, kv, rope) -> np.ndarray:
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run(h, start, kv, rope)   # noqa: E731
+        return alone() if row is None else row.hand_in(("dense",), h, alone)
+
+    def run_walked(self, h: np.ndarray, start: int, kv, rope, k: int):
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run_walked(h, start, kv, rope, k)   # noqa: E731
+        return alone() if row is None else row.hand_in(("walked", k), h, alone)
 
 
 class DecodeBatch(Generic[T]):
@@ -108,8 +141,11 @@ class DecodeBatch(Generic[T]):
     def __init__(self, model: TransformerModel, decoder, max_rows: int = 8):
         if max_rows < 1:
             raise ValueError(f"a batch needs at least one row, not {max_rows}")
+        if model.decoder is None:
+            raise ValueError("a batch needs a model with decoder graphs")
         self.model = model
         self.decoder = decoder
+        self.router = RowRouter.install(model)
         self.max_rows = max_rows
         self._rows: list[BatchRow] = []
         self._keys: list[np.ndarray] = []
@@ -122,9 +158,9 @@ class DecodeBatch(Generic[T]):
 
     # -- membership ----------------------------------------------------------------------------------------
     def batches(self, ffn: FfnCall) -> bool:
-        """Whether a decode step through `ffn` is one the batched graph computes: the single path's dense decoder
-        graph pass."""
-        return (self.model.decoder is not None and isinstance(ffn, PassAwareFfn) and ffn.runs_plain_dense())
+        """Whether the decode steps of a reply through `ffn` are ones the batched graphs compute: the dense
+        decoder's or the walked decoder's (a walk whose steps run in one decoder call)."""
+        return isinstance(ffn, PassAwareFfn) and (ffn.runs_plain_dense() or ffn.walk_step_k() is not None)
 
     def can_join(self, ffn: FfnCall) -> bool:
         with self._lock:
@@ -145,7 +181,6 @@ class DecodeBatch(Generic[T]):
                 row.kv.keys[i][:, :old.length] = old.keys[i][:, :old.length]
                 row.kv.values[i][:, :old.length] = old.values[i][:, :old.length]
             session.kv = row.kv
-            session.step_forward = row.forward
             self._joined += 1
             return row
 
@@ -167,7 +202,6 @@ class DecodeBatch(Generic[T]):
             self._rows.pop()
             row.index = -1
             session = row.session
-            session.step_forward = None
             session.kv = KvCache(self.model.config)   # the pool's row is another reply's now: the session starts over
             session.history.clear()
             session.exact_length = 0
@@ -199,45 +233,56 @@ class DecodeBatch(Generic[T]):
             row.kv.point_at(keys, values, row.index)
 
     # -- stepping ------------------------------------------------------------------------------------------
-    def _hand_in(self, row: BatchRow, token: int) -> None:
+    def _hand_in(self, row: BatchRow, kind: tuple) -> None:
         with self._handed:
-            row._token = token
+            row._kind = kind
             self._handed.notify_all()
 
     def _notify(self, _future: Future) -> None:
         with self._handed:
             self._handed.notify_all()
 
-    def _count_solo(self) -> None:
-        with self._handed:
-            self._solo += 1
+    def _in_row(self, row: BatchRow, fn: Callable[[], T]) -> Callable[[], T]:
+        def step() -> T:
+            self.router.local.row = row
+            try:
+                return fn()
+            finally:
+                self.router.local.row = None
+        return step
 
     def step(self, steps: dict[BatchRow, Callable[[], T]]) -> dict[BatchRow, T | BaseException]:
         """Run each row's step (its reply's next token: a decode generator's `next`) in a thread of its own, their
-        dense forward passes together in one call of the batched decoder; returns each row's result, or the
-        exception its step raised. Rows of the batch not in `steps` sit this step out."""
+        decoder calls together in one call of a batched graph; returns each row's result, or the exception its
+        step raised. Rows of the batch not in `steps` sit this step out."""
         with self._lock:
             rows = list(self._rows)
             if any(r.index < 0 for r in steps):
                 raise ValueError("a row that left the batch cannot step")
             if rows:
-                self._make_room(len(rows), max(r.kv.length for r in rows) + 1)
+                # Room for every row's next position, and one more: a row that stepped on its own before the
+                # batched call still has a (discarded) row computed at its new length.
+                self._make_room(len(rows), max(r.kv.length for r in rows) + 2)
             for r in rows:
-                r._token, r._error = None, None
-            futures: dict[BatchRow, Future] = {r: self._threads.submit(fn) for r, fn in steps.items()}
+                r._kind, r._error, r._solo, r._result = None, None, False, None
+            futures: dict[BatchRow, Future] = {r: self._threads.submit(self._in_row(r, fn)) for r, fn in steps.items()}
             for f in futures.values():
                 f.add_done_callback(self._notify)
             with self._handed:
-                # Every stepping row either hands in its token or ends its step without a forward pass.
-                self._handed.wait_for(lambda: all(r._token is not None or f.done() for r, f in futures.items()))
-            waiting = [r for r in rows if r._token is not None]
+                # Every stepping row either hands in its decoder call or ends its step without one.
+                self._handed.wait_for(lambda: all(r._kind is not None or f.done() for r, f in futures.items()))
+            waiting = [r for r in rows if r._kind is not None]
             if waiting:
+                kinds = [r._kind for r in waiting]
+                kind = max(set(kinds), key=lambda x: (kinds.count(x), -kinds.index(x)))
+                batched = [r for r in waiting if r._kind == kind]
                 try:
-                    self._run(rows)
+                    self._run(rows, kind, batched)
                 except BaseException as exc:     # the rows' steps end with it
-                    for r in waiting:
+                    for r in batched:
                         r._error = exc
                 for r in waiting:
+                    r._solo = r._kind != kind        # they run theirs now, after the batch's call wrote its rows
                     r._ready.set()
             results: dict[BatchRow, T | BaseException] = {}
             for r, f in futures.items():
@@ -245,23 +290,28 @@ class DecodeBatch(Generic[T]):
                 results[r] = exc if exc is not None else f.result()
             return results
 
-    def _run(self, rows: list[BatchRow]) -> None:
-        """One batched decoder call over the pool's first len(rows) rows; a row that handed in no token computes
-        one at its position anyway (the rows must be contiguous), which it never reads: its length stays."""
+    def _run(self, rows: list[BatchRow], kind: tuple, batched: list[BatchRow]) -> None:
+        """One batched decoder call of `kind` over the pool's first len(rows) rows. A row not in `batched` computes
+        a row of zeros at its length anyway (the rows must be contiguous): it never reads it (its length stays,
+        or it runs its own call after this one, rewriting it)."""
         n = len(rows)
-        tokens = np.array([r._token if r._token is not None else 0 for r in rows], np.int64)
+        h = np.zeros((n, self.model.config.hidden), np.float32)
+        for r in batched:
+            assert r._h is not None
+            h[r.index] = r._h[0]
         positions = np.array([r.kv.length for r in rows], np.int64)
-        h = self.model.embed(tokens)
-        logits = self.decoder.run(h, positions, [k[:n] for k in self._keys], [v[:n] for v in self._values],
-                                  self.model.rope)
-        stepped = 0
-        for i, r in enumerate(rows):
-            if r._token is not None:
-                r.kv.length += 1
-                r._logits = logits[i:i + 1]
-                stepped += 1
-        self._steps += 1
-        self._row_steps += stepped
+        keys, values = [k[:n] for k in self._keys], [v[:n] for v in self._values]
+        if kind[0] == "dense":
+            logits = self.decoder.run(h, positions, keys, values, self.model.rope)
+            results: list = [logits[i:i + 1] for i in range(n)]
+        else:
+            results = self.decoder.run_walked(h, positions, keys, values, self.model.rope, kind[1])
+        for r in batched:
+            r._result = results[r.index]
+        with self._handed:
+            self._steps += 1
+            self._row_steps += len(batched)
+            self._solo += sum(1 for r in rows if r._kind is not None and r._kind != kind)
 
     def stats(self) -> BatchStats:
         with self._handed:

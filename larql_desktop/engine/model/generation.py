@@ -231,8 +231,7 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
            first_tokens: int, ffn: FfnCall, settings: SamplingSettings, stop_ids: frozenset[int], decoder,
            context_limit: int, history: list[int], *, token_text: Callable[[int], str] | None = None,
            recorder: OutcomeRecorder | None = None, first_layers: tuple[LayerOutcome, ...] = (),
-           logprobs: int | None = None,
-           forward: Callable[[list[int], KvCache, FfnCall], np.ndarray] | None = None) -> Iterator[TokenStep]:
+           logprobs: int | None = None) -> Iterator[TokenStep]:
     """Sample from `first_logits` (the prompt's last position), then decode up to max_tokens.
 
     `history` (the token ids the KV cache holds) is extended as tokens are consumed. Stops on a stop id
@@ -240,8 +239,7 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
     text before it, has is_stop=True), at max_tokens, or when the context is full. With `token_text`, each step
     carries the top alternatives; with `recorder` (attached to `ffn`), the per-layer FFN outcomes of the
     forward pass (`first_layers` for the prompt's pass). With `logprobs` (0..20), each step carries the sampled
-    token's log probability and that many most likely tokens' (logprobs.TokenLogprobs). `forward` runs each decode
-    step's pass in place of `model.forward` (the batch's, engine/model/batch.py: same arguments, same logits).
+    token's log probability and that many most likely tokens' (logprobs.TokenLogprobs).
     """
     if logprobs is not None:
         from larql_desktop.engine.model.logprobs import token_logprobs   # it imports this module
@@ -264,7 +262,7 @@ def decode(model: TransformerModel, kv: KvCache, first_logits: np.ndarray, first
         started = time.perf_counter()
         if recorder is not None:
             recorder.start()
-        logits = (forward or model.forward)([token], kv, ffn)[-1]
+        logits = model.forward([token], kv, ffn)[-1]
         layers = recorder.take() if recorder is not None else ()
         history.append(token)
         seconds, ran = time.perf_counter() - started, 1
