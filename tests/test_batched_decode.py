@@ -1,7 +1,8 @@
 """Batched decode (engine/model/batch.py, graphs/batched.py) through a real server on loopback and the real `openai`
 client: concurrent greedy replies decode together in one forward pass per step and equal the same replies decoded
-alone (one at a time, the single-path decoder); a client that goes away frees its batch row; the walk, which the
-batch does not compute, keeps decoding on its own."""
+alone (one at a time, the single-path decoder), with the dense FFN and with the walk and its cache (whose stores
+made in a batch then serve the replies alone, and whose per-request counts stay exact); a client that goes away
+frees its batch row."""
 from __future__ import annotations
 
 import threading
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from larql_desktop.api.server import start_server
+from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from polling import wait_for
@@ -130,19 +132,51 @@ def test_a_disconnecting_client_frees_its_row_and_the_others_go_on(dense_servers
     assert _batch(batched)["rows_in_use"] == 0
 
 
-def test_the_walk_decodes_on_its_own_beside_the_batch(smollm2):
-    # The batched graph computes the dense FFN only: a walk's reply (its cache lookups per row) never joins.
-    engine = LarqlEngine(smollm2, walk=WalkSettings())
-    handle = start_server(engine, "127.0.0.1", 0)
+def _engine_counts(engine) -> dict:
+    snap = engine.snapshot()
+    return {"calls": snap.calls, "lookups": snap.lookups, "full_misses": int(snap.full_misses.sum()),
+            **{f"{t}_{f}": int(getattr(snap.tiers[t], f).sum()) for t in snap.tiers for f in ("hits", "misses")}}
+
+
+def _request_counts(cache: dict) -> dict:
+    return {"calls": cache["ffn_calls"], "lookups": cache["lookups"], "full_misses": cache["misses"],
+            **{f"{t}_hits": n for t, n in cache["hits"].items()},
+            **{f"{t}_misses": n for t, n in cache["tier_misses"].items()}}
+
+
+def test_walk_replies_batched_on_a_cold_cache_equal_the_replies_alone_served_from_it(smollm2, tmp_path):
+    # The walk with its L1/L2/L3 cache: cold, the batch computes each row's walk and the rows store their entries
+    # as single steps do; the same questions asked alone afterwards are served from those entries bit for bit.
+    engine = LarqlEngine(smollm2, walk=WalkSettings(), l3=SqliteL3(tmp_path / "l3.sqlite3"))
+    batched = start_server(engine, "127.0.0.1", 0)
+    alone = start_server(engine, "127.0.0.1", 0, batch_rows=0)
+    count, tokens = 4, 24
     try:
-        reply = _client(handle).chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=6, temperature=0)
-        assert reply.usage.completion_tokens >= 1
-        stats = _batch(handle)
-        assert stats["joined"] == 0 and stats["steps"] == 0
-        assert reply.larql_cache["ffn_calls"] > 0     # type: ignore[attr-defined]
+        def ask(handle, i: int):
+            return _client(handle).chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=tokens,
+                temperature=0)
+        engine_before, before = _engine_counts(engine), _batch(batched)
+        together = _concurrently(count, lambda i: ask(batched, i))
+        engine_after, after = _engine_counts(engine), _batch(batched)
+        assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"] > 0
+        assert after["joined"] - before["joined"] == count and after["rows_in_use"] == 0
+        # Each request's larql_cache counts stay exact: together they are what the engine counted.
+        summed: dict = {}
+        for reply in together:
+            for key, n in _request_counts(reply.larql_cache).items():    # type: ignore[attr-defined]
+                summed[key] = summed.get(key, 0) + n
+        delta = {k: engine_after[k] - engine_before.get(k, 0) for k in engine_after}
+        assert {k: v for k, v in summed.items() if v} == {k: v for k, v in delta.items() if v}
+        assert summed["calls"] > 0 and summed.get("L2_hits", 0) == 0     # cold: nothing to serve yet
+
+        solo = [ask(alone, i) for i in range(count)]
+        assert [r.choices[0].message.content for r in together] == [r.choices[0].message.content for r in solo]
+        assert sum(r.larql_cache["hits"]["L2"] for r in solo) > 0       # type: ignore[attr-defined]
     finally:
-        handle.stop()
+        batched.stop()
+        alone.stop()
+        engine.l3.close()
 
 
 def test_gemma_completions_decoded_together_equal_the_completions_alone(gemma3):
