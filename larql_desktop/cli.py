@@ -345,7 +345,7 @@ def cmd_serve(args) -> int:
                          prefill_chunk=args.prefill_chunk)
     # The first request per layer would otherwise build its sessions.
     model.ffn.load_sessions(kinds=("gate", "walk"))
-    handle = start_server(engine, args.host, args.port, token, batch_rows=args.batch_rows)
+    handle = start_server(engine, args.host, args.port, token, batch_rows=args.batch_rows, preload_batch=True)
     _stop_on_interrupt_and_terminate()
     print(f"serving {model.name} on {handle.url} (L3: {store.status()['where'] if store else 'off'}); "
           "Ctrl-C stops", flush=True)

@@ -249,7 +249,7 @@ def max_ffn_input_norm(model) -> np.ndarray:
 def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                loopback_hosts: bool = True, generation_slots: int = 1,
                max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
-               batch_rows: int = DEFAULT_BATCH_ROWS) -> FastAPI:
+               batch_rows: int = DEFAULT_BATCH_ROWS, preload_batch: bool = False) -> FastAPI:
     cfg = engine.model.config
     input_norm_limit = max_ffn_input_norm(engine.model)
     app = FastAPI(title="larql-desktop local API", version=API_VERSION,
@@ -261,6 +261,8 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     app.state.preparation = openai_compat.RequestPreparation()
     # Concurrent replies decode together, one forward pass per step for all of them (batch_rows 0: in turns).
     app.state.batch = batch = decode_batch(engine.model, batch_rows)
+    if batch is not None and preload_batch:     # the batched graph the engine's FFN settings run, made now
+        batch.load_session(walk=not engine.walk_settings.dense)
     app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
                                                    max_completions, app.state.preparation, max_body, batch))
 
@@ -435,7 +437,8 @@ def _bind(host: str, port: int) -> socket.socket:
 def start_server(engine: LarqlEngine, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT, token: str | None = None,
                  *, max_body: int = DEFAULT_MAX_BODY, limits: ConnectionLimits = ConnectionLimits(),
                  generation_slots: int = 1, max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
-                 batch_rows: int = DEFAULT_BATCH_ROWS, startup_timeout: float = 15.0) -> ServerHandle:
+                 batch_rows: int = DEFAULT_BATCH_ROWS, preload_batch: bool = False,
+                 startup_timeout: float = 15.0) -> ServerHandle:
     """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
 
     A host other than loopback needs a token. Raises OSError when the address cannot be bound. `limits`: timeouts
@@ -449,7 +452,7 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_API_HOST, port: int = 
     if token is not None and len(token) < 16:
         raise ValueError("the token must be at least 16 characters")
     app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host),
-                     generation_slots=generation_slots, max_completions=max_completions, batch_rows=batch_rows)
+                     generation_slots=generation_slots, max_completions=max_completions, batch_rows=batch_rows, preload_batch=preload_batch)
     registry = ConnectionRegistry(limits)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

@@ -58,7 +58,7 @@ def _rows_as_sequences(inits: list) -> None:
 def _batched_io(cfg: ModelConfig) -> tuple[list, list]:
     """h, f0, the KV caches (past and present), seqlens_k/total_len and the rope tables, with B rows."""
     n = cfg.n_layers
-    cache = ["B", cfg.n_kv_heads, "C", cfg.head_dim]
+    cache: list[str | int] = ["B", cfg.n_kv_heads, "C", cfg.head_dim]
     inputs = [helper.make_tensor_value_info("h", FLOAT, ["B", cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, ["B", cfg.hidden])]
     outputs = []
@@ -100,13 +100,13 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     nodes += _selection_check_nodes(inits)
     inputs, outputs = _batched_io(cfg)
     inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
-    rows = ["nB"]
-    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, rows + [cfg.hidden]),
-                   helper.make_tensor_value_info("scores", FLOAT, rows + [cfg.intermediate]),
-                   helper.make_tensor_value_info("selections", TensorProto.BOOL, rows + [cfg.intermediate]),
-                   helper.make_tensor_value_info("outputs", FLOAT, rows + [cfg.hidden]),
-                   helper.make_tensor_value_info("residuals", FLOAT, rows + [cfg.hidden]),
-                   helper.make_tensor_value_info("settled", TensorProto.BOOL, rows)]
+    rows = "nB"
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("scores", FLOAT, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("selections", TensorProto.BOOL, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("outputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("settled", TensorProto.BOOL, [rows])]
     return make_model(nodes, inits, inputs, outputs, "batched_walked_decoder")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
@@ -110,9 +110,10 @@ class RowRouter:
 
     @classmethod
     def install(cls, model: TransformerModel) -> "RowRouter":
-        if isinstance(model.decoder, RowRouter):
-            return model.decoder
-        router = cls(model.decoder)
+        decoder: Any = model.decoder
+        if isinstance(decoder, RowRouter):
+            return decoder
+        router = cls(decoder)
         model.use_graphs(model.graphs, router, model.softmax)
         return router
 
@@ -141,7 +142,7 @@ class DecodeBatch(Generic[T]):
     def __init__(self, model: TransformerModel, decoder, max_rows: int = 8):
         if max_rows < 1:
             raise ValueError(f"a batch needs at least one row, not {max_rows}")
-        if model.decoder is None:
+        if getattr(model, "decoder", None) is None:     # (TransformerModel declares it None until graphs attach)
             raise ValueError("a batch needs a model with decoder graphs")
         self.model = model
         self.decoder = decoder
@@ -220,14 +221,10 @@ class DecodeBatch(Generic[T]):
             capacity *= 2
         cfg = self.model.config
         shape = (new_rows, cfg.n_kv_heads, capacity, cfg.head_dim)
-        keys, values = [], []
-        for old_keys, old_values in zip(self._keys or [None] * cfg.n_layers, self._values or [None] * cfg.n_layers):
-            k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-            if old_keys is not None:
-                k[:have_rows, :, :self._capacity] = old_keys
-                v[:have_rows, :, :self._capacity] = old_values
-            keys.append(k)
-            values.append(v)
+        keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        for new, old in zip(keys + values, self._keys + self._values):
+            new[:have_rows, :, :self._capacity] = old
         self._keys, self._values, self._capacity = keys, values, capacity
         for row in self._rows:
             row.kv.point_at(keys, values, row.index)
@@ -273,7 +270,7 @@ class DecodeBatch(Generic[T]):
                 self._handed.wait_for(lambda: all(r._kind is not None or f.done() for r, f in futures.items()))
             waiting = [r for r in rows if r._kind is not None]
             if waiting:
-                kinds = [r._kind for r in waiting]
+                kinds: list[tuple] = [r._kind for r in waiting if r._kind is not None]
                 kind = max(set(kinds), key=lambda x: (kinds.count(x), -kinds.index(x)))
                 batched = [r for r in waiting if r._kind == kind]
                 try:
@@ -286,8 +283,8 @@ class DecodeBatch(Generic[T]):
                     r._ready.set()
             results: dict[BatchRow, T | BaseException] = {}
             for r, f in futures.items():
-                exc = f.exception()
-                results[r] = exc if exc is not None else f.result()
+                raised = f.exception()
+                results[r] = raised if raised is not None else f.result()
             return results
 
     def _run(self, rows: list[BatchRow], kind: tuple, batched: list[BatchRow]) -> None:
@@ -312,6 +309,10 @@ class DecodeBatch(Generic[T]):
             self._steps += 1
             self._row_steps += len(batched)
             self._solo += sum(1 for r in rows if r._kind is not None and r._kind != kind)
+
+    def load_session(self, walk: bool) -> None:
+        """Make the batched graph's session now (the walked one with `walk`), not at the first batched step."""
+        self.decoder.load_session(walk)
 
     def stats(self) -> BatchStats:
         with self._handed:
