@@ -21,6 +21,8 @@ the engine's raw logits (requested_logprobs, chat_logprobs, completion_logprobs 
 Scheduling: a request advances one forward pass (a prefill chunk or a decode step) per turn and turns are handed out first come, first served
 (`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
+Once its prompt has run, a reply joins the decode batch when there is one (engine/model/batch.py): `BatchTurns`
+then takes one turn per step for all the replies in it, which decode together in one forward pass.
 
 Errors on these routes use the OpenAI error object {"error": {"message", "type", "param", "code"}} (a 4xx, and
 nothing has run); the engine's own routes keep their {"detail": ...} shape. A request's body is read up to a size

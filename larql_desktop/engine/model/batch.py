@@ -86,6 +86,8 @@ class BatchRow:
     def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object]):
         """In the row's step thread: wait for the batch to run this decoder call (`run_alone` runs it on its own,
         when the batch says so) and return its result."""
+        if self._kind is not None:           # a second decoder call in one step: the batch's call has run
+            return run_alone()
         self._ready.clear()
         self._h = h
         self.batch._hand_in(self, kind)
