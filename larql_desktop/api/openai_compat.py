@@ -165,6 +165,9 @@ class BatchTurns:
                 self._stepping = set(runs)
                 try:
                     results = await self._turns.call(lambda: self.batch.step({r.row: r.step for r in runs}))
+                except Exception as exc:       # every reply of the step ends with it (none waits forever)
+                    log.exception("a batched decode step failed")
+                    results = {r.row: exc for r in runs}
                 finally:
                     self._stepping = set()
             for run in runs:

@@ -408,6 +408,9 @@ class ServerHandle:
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
+        batch = getattr(getattr(self.server.config.app, "state", None), "batch", None)
+        if batch is not None:       # its row threads end
+            batch.close()
 
     def wait(self, poll: float = 0.5) -> None:
         while self.thread.is_alive():
