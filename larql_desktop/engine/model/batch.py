@@ -90,8 +90,13 @@ class BatchRow:
             return run_alone()
         self._ready.clear()
         self._h = h
-        self.batch._hand_in(self, kind)
-        self._ready.wait()
+        compute = self.batch._compute
+        compute.release()                    # the other rows run up to their calls meanwhile
+        try:
+            self.batch._hand_in(self, kind)
+            self._ready.wait()
+        finally:
+            compute.acquire()
         if self._error is not None:
             raise self._error
         if self._solo:
@@ -156,6 +161,10 @@ class DecodeBatch(Generic[T]):
         self._capacity = 0
         self._lock = threading.RLock()
         self._handed = threading.Condition()
+        # Rows' step threads run one at a time (but while waiting for the batch's call), as replies in turns do:
+        # their Python work holds the GIL anyway, and onnxruntime calls made on their own (a served step, a walk
+        # layer redone) would only contend for the same cores.
+        self._compute = threading.Lock()
         self._threads = ThreadPoolExecutor(max_rows, thread_name_prefix="larql-batch-row")
         self._joined = self._left = self._steps = self._row_steps = self._solo = 0
 
@@ -243,11 +252,12 @@ class DecodeBatch(Generic[T]):
 
     def _in_row(self, row: BatchRow, fn: Callable[[], T]) -> Callable[[], T]:
         def step() -> T:
-            self.router.local.row = row
-            try:
-                return fn()
-            finally:
-                self.router.local.row = None
+            with self._compute:
+                self.router.local.row = row
+                try:
+                    return fn()
+                finally:
+                    self.router.local.row = None
         return step
 
     def step(self, steps: dict[BatchRow, Callable[[], T]]) -> dict[BatchRow, T | BaseException]:
