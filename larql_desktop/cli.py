@@ -339,13 +339,13 @@ def cmd_serve(args) -> int:
     paths = AppPaths.from_environment().ensure()
     store = open_l3(args.l3, paths, l3_settings)
     model = _load(args, quiet_progress=True)
-    if args.prefix_cache_mb < 0 or args.prefill_chunk < 1:
-        raise ValueError("--prefix-cache-mb must be 0 (off) or more and --prefill-chunk at least 1")
+    if args.prefix_cache_mb < 0 or args.prefill_chunk < 1 or args.batch_rows < 0:
+        raise ValueError("--prefix-cache-mb and --batch-rows must be 0 (off) or more and --prefill-chunk at least 1")
     engine = LarqlEngine(model, walk=_walk_settings(args), l3=store, prefix_cache_bytes=args.prefix_cache_mb << 20,
                          prefill_chunk=args.prefill_chunk)
     # The first request per layer would otherwise build its sessions.
     model.ffn.load_sessions(kinds=("gate", "walk"))
-    handle = start_server(engine, args.host, args.port, token)
+    handle = start_server(engine, args.host, args.port, token, batch_rows=args.batch_rows, preload_batch=True)
     _stop_on_interrupt_and_terminate()
     print(f"serving {model.name} on {handle.url} (L3: {store.status()['where'] if store else 'off'}); "
           "Ctrl-C stops", flush=True)
@@ -551,6 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV prefix cache shared by every request, in MiB (0: off; default 256)")
     serve.add_argument("--prefill-chunk", type=int, default=64,
                        help="positions per prefill pass; other requests run between chunks (default 64)")
+    serve.add_argument("--ffn", choices=("walk", "dense"), default="walk",
+                       help="LARQL's walk FFN with the L1/L2/L3 cache (default) or the plain dense FFN")
+    serve.add_argument("--batch-rows", type=int, default=8,
+                       help="replies decoding together in one forward pass per step, when the FFN is dense "
+                            "(0: one at a time, in turns; default 8)")
     serve.set_defaults(func=cmd_serve)
     parser.set_defaults(func=cmd_gui)
     return parser

@@ -21,6 +21,8 @@ the engine's raw logits (requested_logprobs, chat_logprobs, completion_logprobs 
 Scheduling: a request advances one forward pass (a prefill chunk or a decode step) per turn and turns are handed out first come, first served
 (`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
+Once its prompt has run, a reply joins the decode batch when there is one (engine/model/batch.py): `BatchTurns`
+then takes one turn per step for all the replies in it, which decode together in one forward pass.
 
 Errors on these routes use the OpenAI error object {"error": {"message", "type", "param", "code"}} (a 4xx, and
 nothing has run); the engine's own routes keep their {"detail": ...} shape. A request's body is read up to a size
@@ -85,7 +87,11 @@ class FairTurns:
         """fn() in a generation thread, during a turn. Cancelled, it still waits for fn to return (a forward
         pass cannot be interrupted), so whoever cleans up afterwards never races the step."""
         async with self:
-            return await anyio.to_thread.run_sync(lambda: self._threads.submit(fn).result())
+            return await self.call(fn)
+
+    async def call(self, fn):
+        """fn() in a generation thread, within a turn the caller holds (`async with turns`)."""
+        return await anyio.to_thread.run_sync(lambda: self._threads.submit(fn).result())
 
     async def __aenter__(self) -> None:
         if self._free and not self._waiting:
@@ -116,6 +122,73 @@ class FairTurns:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+
+class BatchTurns:
+    """Steps the replies decoding in a DecodeBatch (engine/model/batch.py) together: one batch step per turn of
+    `turns` (so prefill chunks and unbatched requests keep their places in line beside it), every row each step,
+    so no row waits on another. Each reply's text goes to its own queue, which its response reads: a slow client
+    holds up no one, and a client that goes away leaves the batch at the end of the step running (if any), not
+    at its next turn. Touched from the event loop only."""
+
+    def __init__(self, batch, turns: FairTurns):
+        self.batch = batch
+        self._turns = turns
+        self._queues: dict[CompletionRun, asyncio.Queue] = {}
+        self._stepping: set[CompletionRun] = set()
+        self._leaving: set[CompletionRun] = set()
+        self._task: asyncio.Task | None = None
+
+    def adopt(self, run: CompletionRun) -> asyncio.Queue:
+        """The queue of `run`'s text pieces (then `END`, or the exception its step raised); from now on the batch
+        steps it."""
+        queue = self._queues.get(run)
+        if queue is None:
+            queue = self._queues[run] = asyncio.Queue()
+            if self._task is None or self._task.done():
+                self._task = asyncio.get_running_loop().create_task(self._steps())
+        return queue
+
+    def release(self, run: CompletionRun) -> bool:
+        """`run`'s response is done with it: True when it may be closed now, False when it is in the step
+        running now (it is closed, and its row freed, as that step ends)."""
+        if run in self._stepping:
+            self._leaving.add(run)
+            return False
+        self._queues.pop(run, None)
+        return True
+
+    async def _steps(self) -> None:
+        while self._queues:
+            async with self._turns:
+                runs = list(self._queues)
+                self._stepping = set(runs)
+                try:
+                    results = await self._turns.call(lambda: self.batch.step({r.row: r.step for r in runs}))
+                except Exception as exc:       # every reply of the step ends with it (none waits forever)
+                    log.exception("a batched decode step failed")
+                    results = {r.row: exc for r in runs}
+                finally:
+                    self._stepping = set()
+            for run in runs:
+                queue = self._queues.get(run)
+                result = results[run.row]
+                if run in self._leaving or queue is None:
+                    self._queues.pop(run, None)
+                    run.close()
+                    continue
+                if isinstance(result, BaseException):
+                    queue.put_nowait(result)
+                elif result:
+                    queue.put_nowait(result)
+                if run.finished or isinstance(result, BaseException):
+                    self._queues.pop(run)
+                    run.close()                 # frees its row now; the response takes the same result
+                    queue.put_nowait(END)
+            self._leaving.clear()
+
+
+END = object()      # a BatchTurns queue's last item
 
 
 # ----------------------------------------------------------------------------------------------- requests
@@ -295,14 +368,17 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- routes
 def openai_router(engine, turns: FairTurns | None = None, max_completions: int = DEFAULT_MAX_COMPLETIONS,
-                  preparation: RequestPreparation | None = None, max_body: int | None = None) -> APIRouter:
+                  preparation: RequestPreparation | None = None, max_body: int | None = None,
+                  batch=None) -> APIRouter:
     """The OpenAI-compatible routes over `engine` (a LarqlEngine), taking generation turns from `turns`; at most
     `max_completions` requests hold a session at once (each has a KV cache), more get a 429 (clients retry).
-    Bodies are read up to what the model's context can use (and `max_body`), and prepared in `preparation`."""
+    Bodies are read up to what the model's context can use (and `max_body`), and prepared in `preparation`.
+    With `batch` (a DecodeBatch), replies whose FFN it computes decode together once their prompts have run."""
     router = APIRouter(tags=["OpenAI-compatible"])
     turns = turns if turns is not None else FairTurns()
     preparation = preparation if preparation is not None else RequestPreparation()
     active: set[CompletionRun] = set()      # touched from the event loop only
+    batch_turns = BatchTurns(batch, turns) if batch is not None else None
     model = engine.model
     model_id = model.name
     created = int(model.path.stat().st_mtime) if model.path.exists() else 0
@@ -382,7 +458,7 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             raise ApiError(429, f"the server is busy with {len(active)} completions; retry shortly",
                            code="too_many_completions")
         try:
-            run = CompletionRun(engine, ids, settings, stops, requested_logprobs(req))
+            run = CompletionRun(engine, ids, settings, stops, requested_logprobs(req), batch)
         except PromptTooLong as exc:
             raise too_long(exc, param) from None
         except ValueError as exc:
@@ -391,8 +467,11 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
         return run
 
     def finish(run: CompletionRun):
-        """Close the run (idempotent) and free its place."""
+        """Close the run (idempotent) and free its place; None when it is in the batch step running now (the
+        batch closes it as the step ends)."""
         active.discard(run)
+        if batch_turns is not None and not batch_turns.release(run):
+            return None
         return run.close()
 
     @router.post("/v1/chat/completions")
@@ -445,6 +524,17 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             while not run.finished:
                 if watch_disconnect and await request.is_disconnected():
                     return
+                if run.row is not None and batch_turns is not None:    # its steps are the batch's now
+                    queue = batch_turns.adopt(run)
+                    while True:
+                        if watch_disconnect and await request.is_disconnected():
+                            return
+                        item = await queue.get()
+                        if item is END:
+                            return
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield item
                 text = await turns.run(run.step)
                 if text:
                     yield text
@@ -464,6 +554,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
                 return JSONResponse(error_doc(500, "the engine failed while generating (details in the log)"),
                                     status_code=500)
             result = finish(run)
+            if result is None:       # the client went away while its reply's batch step ran
+                return JSONResponse(error_doc(400, "the client went away"), status_code=400)
             choice = {"index": 0, "finish_reason": result.finish_reason,
                       "logprobs": logprobs_doc(run.take_logprobs(), chat) if run.wants_logprobs else None}
             choice.update({"message": {"role": "assistant", "content": result.text}} if chat else

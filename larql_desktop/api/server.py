@@ -41,6 +41,7 @@ from larql_desktop.api import openai_compat
 from larql_desktop.api.connections import ConnectionLimits, ConnectionRegistry, guarded_protocol
 from larql_desktop.engine import services
 from larql_desktop.engine.cache.keys import is_full_k
+from larql_desktop.engine.completions import DEFAULT_BATCH_ROWS, decode_batch
 from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied, UnknownPatch
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchError
@@ -247,7 +248,8 @@ def max_ffn_input_norm(model) -> np.ndarray:
 
 def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                loopback_hosts: bool = True, generation_slots: int = 1,
-               max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS) -> FastAPI:
+               max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
+               batch_rows: int = DEFAULT_BATCH_ROWS, preload_batch: bool = False) -> FastAPI:
     cfg = engine.model.config
     input_norm_limit = max_ffn_input_norm(engine.model)
     app = FastAPI(title="larql-desktop local API", version=API_VERSION,
@@ -257,8 +259,12 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     # One forward pass at a time by default: on a small machine one pass already uses every core, and the
     # turns are handed out in arrival order, so concurrent completions interleave token by token.
     app.state.preparation = openai_compat.RequestPreparation()
+    # Concurrent replies decode together, one forward pass per step for all of them (batch_rows 0: in turns).
+    app.state.batch = batch = decode_batch(engine.model, batch_rows)
+    if batch is not None and preload_batch:     # the batched graph the engine's FFN settings run, made now
+        batch.load_session(walk=not engine.walk_settings.dense)
     app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
-                                                   max_completions, app.state.preparation, max_body))
+                                                   max_completions, app.state.preparation, max_body, batch))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -345,6 +351,7 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         doc["full_k"] = is_full_k(engine.walk_settings.resolved(cfg.intermediate).top_k, cfg.intermediate)
         doc["l3"] = engine.l3.status() if engine.l3 is not None else None
         doc["prefix_cache"] = engine.prefix_cache.stats().to_dict()
+        doc["batch"] = batch.stats().to_dict() if batch is not None else None
         return finite_json(doc)
 
     @app.get("/v1/patches", response_model=PatchList)
@@ -401,6 +408,9 @@ class ServerHandle:
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
+        batch = getattr(getattr(self.server.config.app, "state", None), "batch", None)
+        if batch is not None:       # its row threads end
+            batch.close()
 
     def wait(self, poll: float = 0.5) -> None:
         while self.thread.is_alive():
@@ -430,6 +440,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def start_server(engine: LarqlEngine, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT, token: str | None = None,
                  *, max_body: int = DEFAULT_MAX_BODY, limits: ConnectionLimits = ConnectionLimits(),
                  generation_slots: int = 1, max_completions: int = openai_compat.DEFAULT_MAX_COMPLETIONS,
+                 batch_rows: int = DEFAULT_BATCH_ROWS, preload_batch: bool = False,
                  startup_timeout: float = 15.0) -> ServerHandle:
     """Serve `engine` (sharing its L2, L3 and statistics) from a background thread; port 0 picks a free one.
 
@@ -444,7 +455,7 @@ def start_server(engine: LarqlEngine, host: str = DEFAULT_API_HOST, port: int = 
     if token is not None and len(token) < 16:
         raise ValueError("the token must be at least 16 characters")
     app = create_app(engine, token=token, max_body=max_body, loopback_hosts=is_loopback(host),
-                     generation_slots=generation_slots, max_completions=max_completions)
+                     generation_slots=generation_slots, max_completions=max_completions, batch_rows=batch_rows, preload_batch=preload_batch)
     registry = ConnectionRegistry(limits)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

@@ -10,6 +10,9 @@ from typing import Generator, Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
 from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
+from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.batch import BatchRow, DecodeBatch
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.stops import StopStrings
 
@@ -18,8 +21,21 @@ FINISH_STOP = "stop"       # a stop token or a stop string
 FINISH_LENGTH = "length"   # max tokens or the context limit
 
 
+DEFAULT_BATCH_ROWS = 8      # replies decoding together at most (more decode on their own, in turns)
+
+
 class PromptTooLong(ValueError):
     pass
+
+
+def decode_batch(model: LoadedModel, max_rows: int = DEFAULT_BATCH_ROWS) -> DecodeBatch | None:
+    """A DecodeBatch over `model`'s batched decoder graph (exported beside its other graphs on first use), or None
+    for a model without decoder graphs (the numpy reference) or `max_rows` 0."""
+    decoder = model.transformer.decoder
+    if decoder is None or max_rows == 0:
+        return None
+    batched = OnnxBatchedDecoder(model.gguf, model.config, model.checksum, decoder.directory.parent, model.threads)
+    return DecodeBatch(model.transformer, batched, max_rows)
 
 
 @dataclass(frozen=True)
@@ -40,7 +56,7 @@ class CompletionRun:
     """
 
     def __init__(self, engine: LarqlEngine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, batch: DecodeBatch | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -68,6 +84,10 @@ class CompletionRun:
         self.logprobs: list[tuple[object, int]] = []
         self._logprobs_taken = 0
         self._text_length = 0
+        # With `batch`: the reply decodes in a row of it once its prompt has run, if its FFN is one the batch
+        # computes and a row is free (`row`); its steps are then the batch's to run (DecodeBatch.step).
+        self._batch = batch
+        self.row: BatchRow | None = None
 
     def take_logprobs(self) -> list[tuple[object, int]]:
         """The reply tokens' logprobs not taken yet (a stream sends each with the chunk after its token)."""
@@ -90,6 +110,8 @@ class CompletionRun:
                 return ""                       # more of the prompt to run: other requests' turns first
             self._prefill = None
             self.cached_tokens = self.session.reused_tokens
+            if self._batch is not None and self._batch.can_join(self.session.ffn):
+                self.row = self._batch.join(self.session)
         try:
             step = next(self._steps)
         except StopIteration:
@@ -123,6 +145,8 @@ class CompletionRun:
             if self._prefill is not None:
                 self._prefill.close()
             self._steps.close()
+            if self.row is not None:
+                self.row.batch.leave(self.row)     # the row is free for another reply at once
             self.engine.close_session(self.session)
             counts = cache_counts(None, self.engine.session_snapshot(self.session))
             self._result = CompletionResult("".join(self._emitted), self.prompt_tokens, self.completion_tokens,

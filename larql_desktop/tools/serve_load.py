@@ -4,6 +4,7 @@ same run can point at this server and at another one (llama-cpp-python's `python
   multi_turn     one conversation whose client re-sends the whole history each turn: time to first token by turn
   shared_prefix  clients one after another, each with the same long system prompt and its own question: TTFT each
   aggregate      N clients streaming greedy replies at once: completion tokens per second of all of them together
+                 (from larql-desktop, also its batched decoder calls and rows per call, from /v1/cache-stats)
   beside_long    a short request's TTFT alone, then sent while a long prompt (`--long-tokens`) is being prefilled
   prefill        time of a 1-token completion of prompts of 256 / 1,024 / 2,048 tokens (the prompt's first words
                  differ every run, so no server can serve them from a prefix cache)
@@ -69,6 +70,23 @@ class Client:
                 "prompt_tokens": usage.get("prompt_tokens") if usage else None, "text": "".join(pieces),
                 "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 
+    def batch_stats(self) -> dict | None:
+        """This server's decode batch counters (larql-desktop's /v1/cache-stats `batch`); None from a server
+        without them."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request("GET", "/v1/cache-stats", headers=self.headers)
+            r = conn.getresponse()
+            body = r.read()
+            if r.status != 200:
+                return None
+            batch = json.loads(body).get("batch")
+            return batch if isinstance(batch, dict) else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            conn.close()
+
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
         return self.stream("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
                                                     "temperature": 0})
@@ -123,14 +141,23 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) 
             except Exception as exc:   # noqa: BLE001 - reported, not hidden
                 errors.append(repr(exc))
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        before = client.batch_stats()
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         seconds = time.perf_counter() - t0
-        out.append({"clients": n, "tokens": sum(tokens), "seconds": _rounded(seconds),
-                    "tok_per_s": round(sum(tokens) / seconds, 1), "per_client_tokens": tokens, "errors": errors})
+        after = client.batch_stats()
+        row = {"clients": n, "tokens": sum(tokens), "seconds": _rounded(seconds),
+               "tok_per_s": round(sum(tokens) / seconds, 1), "per_client_tokens": tokens, "errors": errors}
+        if before is not None and after is not None:
+            # How the server decoded them: batched decoder calls, and the tokens per call (1.0: no batching).
+            steps = after["steps"] - before["steps"]
+            row["batched_steps"] = steps
+            row["rows_per_batched_step"] = round((after["row_steps"] - before["row_steps"]) / steps, 2) if steps \
+                else None
+        out.append(row)
     base = out[0]["tok_per_s"] if out and out[0]["clients"] == 1 else None
     for row in out:
         row["vs_one_client"] = round(row["tok_per_s"] / base, 2) if base else None

@@ -172,7 +172,8 @@ class GraphStore:
     once all files are loaded so the manifest records them.
     """
 
-    def __init__(self, directory: Path, manifest_name: str, export_format: int, progress: Progress | None = None):
+    def __init__(self, directory: Path, manifest_name: str, export_format: int | str,
+                 progress: Progress | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.manifest_path = self.directory / manifest_name

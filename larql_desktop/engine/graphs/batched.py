@@ -1,0 +1,195 @@
+"""The whole-model decoders for B sequences at once: one decode step (one token) of every row in one call.
+
+Concurrent API requests decode together this way (engine/model/batch.py): the weights are read once per step for
+all rows, so B rows cost little more than one on a memory-bound CPU. It is graphs/decoder.py's dense decoder
+composition (the same layer, dense FFN and head graphs, node for node) with the batch on the first axis:
+
+  inputs   h (B, d) each row's embedded token, f0 (B, d) zeros, every layer's KV cache (B, kv_heads, C, hd)
+           (bound as past and present: each row's new keys/values land in place at its own position),
+           seqlens_k (B,) each row's position, total_len the largest position + 1, one cos/sin table per rope base
+  output   logits (B, vocab)
+
+Every node but attention works row by row already (norms, MatMulNBits with int8 activations quantised per row
+block, the head). GroupQueryAttention takes the batch from the 3-D query: the layer graph folds its (T, d) rows
+into one sequence (1, T, d); here each row is a sequence of its own (B, 1, d), whose rotary position and attended
+keys come from its own seqlens_k (past keys 0..seqlens_k[b], the sliding window counted from there).
+
+The batched walked decoder is graphs/decoder.py's walked decoder so batched (the top-K walk at every layer, K one
+input for all rows): its per-layer outputs come layer-major, (n_layers * B, ...), row b of layer i at i * B + b;
+`run_walked` hands back one decoder.WalkedPass per row, which the walk settles as it settles a single step.
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, _head, _layers_with_ffn,
+                                                 _selection_check_nodes, rope_bases)
+from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
+from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
+from larql_desktop.engine.model.config import ModelConfig
+
+BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
+MANIFEST = "batched.manifest.json"
+FILE = "decoder.batched.onnx"
+WALKED_FILE = "decoder.batched_walked.onnx"
+FLOAT = TensorProto.FLOAT
+# The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
+_SEQUENCE_SHAPE = "_3d_shape"
+
+
+def _rows_as_sequences(inits: list) -> None:
+    """Turn the layer graphs' (1, T, width) reshapes (all rows one sequence) into (B, 1, width) (a sequence per
+    row), in place."""
+    for i, tensor in enumerate(inits):
+        if tensor.name.endswith(_SEQUENCE_SHAPE):
+            shape = numpy_helper.to_array(tensor)
+            if shape.tolist()[:2] != [1, -1]:
+                raise ValueError(f"{tensor.name}: expected a (1, -1, width) reshape, found {shape.tolist()}")
+            inits[i] = numpy_helper.from_array(np.array([-1, 1, shape[2]], np.int64), tensor.name)
+
+
+def _batched_io(cfg: ModelConfig) -> tuple[list, list]:
+    """h, f0, the KV caches (past and present), seqlens_k/total_len and the rope tables, with B rows."""
+    n = cfg.n_layers
+    cache: list[str | int] = ["B", cfg.n_kv_heads, "C", cfg.head_dim]
+    inputs = [helper.make_tensor_value_info("h", FLOAT, ["B", cfg.hidden]),
+              helper.make_tensor_value_info("f0", FLOAT, ["B", cfg.hidden])]
+    outputs = []
+    for i in range(n):
+        inputs += [helper.make_tensor_value_info(f"past_key{i}", FLOAT, cache),
+                   helper.make_tensor_value_info(f"past_value{i}", FLOAT, cache)]
+        outputs += [helper.make_tensor_value_info(f"present_key{i}", FLOAT, cache),
+                    helper.make_tensor_value_info(f"present_value{i}", FLOAT, cache)]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B"]),
+               helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+    for t in range(len(rope_bases(cfg))):
+        inputs += [helper.make_tensor_value_info(f"cos{t}", FLOAT, ["P", cfg.head_dim // 2]),
+                   helper.make_tensor_value_info(f"sin{t}", FLOAT, ["P", cfg.head_dim // 2])]
+    return inputs, outputs
+
+
+def build_batched_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    n = cfg.n_layers
+    nodes, inits = _layers_with_ffn(gguf, cfg, build_dense_graph)
+    _rows_as_sequences(inits)
+    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
+    nodes += more_nodes
+    inits += more_inits
+    inputs, outputs = _batched_io(cfg)
+    outputs.insert(0, helper.make_tensor_value_info("logits", FLOAT, ["B", cfg.vocab_size]))
+    return make_model(nodes, inits, inputs, outputs, "batched_decoder")
+
+
+def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The walked decoder (graphs/decoder.py) over B rows: outputs "inputs", "scores", "selections", "outputs",
+    "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
+    n = cfg.n_layers
+    nodes, inits = _layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
+    _rows_as_sequences(inits)
+    for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
+                       ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
+    nodes += _selection_check_nodes(inits)
+    inputs, outputs = _batched_io(cfg)
+    inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
+    rows = "nB"
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("scores", FLOAT, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("selections", TensorProto.BOOL, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("outputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("settled", TensorProto.BOOL, [rows])]
+    return make_model(nodes, inits, inputs, outputs, "batched_walked_decoder")
+
+
+class OnnxBatchedDecoder:
+    """The batched dense decoder of one model: exported beside the other decoders on first use (its own manifest),
+    its session made on first use. Not thread-safe per thread of use: one caller steps a batch at a time."""
+
+    def __init__(self, gguf: GgufFile, config: ModelConfig, checksum: str, onnx_root: Path, threads: int = 2,
+                 progress: Progress | None = None):
+        self.config = config
+        self.bases = rope_bases(config)
+        store = GraphStore(Path(onnx_root) / checksum, MANIFEST, BATCHED_EXPORT_FORMAT, progress)
+        build = partial(build_batched_decoder_graph, gguf, config)
+        store.ensure(FILE, build, "Exporting the batched decoder graph to ONNX", optimized=True)
+        build_walked = partial(build_batched_walked_decoder_graph, gguf, config)
+        store.ensure(WALKED_FILE, build_walked, "Exporting the batched walked decoder graph to ONNX", 0.5,
+                     optimized=True)
+        store.save()
+        opts = partial(session_options, threads, spinning=True)
+        self._sessions = {"dense": LazySessions(store, [(FILE, build)], opts, optimized=True),
+                          "walked": LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True)}
+        self._local = threading.local()
+        self._zeros = ZeroRows(config.hidden)
+
+    def load_session(self, walk: bool = False) -> None:
+        self._sessions["walked" if walk else "dense"].load_all(None, "Loading the batched decoder graph")
+
+    def run(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+            rope) -> np.ndarray:
+        """Logits (B, vocab) of one token per row: h (B, d) the rows' embedded tokens at `positions` (B,) int;
+        keys/values: per layer (B, kv_heads, C, hd) contiguous, each row holding its context before its
+        position, written in place at it (C > every position: the caller made room)."""
+        binding = self._bind("dense", h, positions, keys, values, rope)
+        logits = np.empty((h.shape[0], self.config.vocab_size), np.float32)
+        binding.bind_output("logits", logits)
+        binding.run()
+        return logits
+
+    def run_walked(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                   rope, k: int) -> list[WalkedPass]:
+        """As `run` with the top-`k` walk at every layer: what each row computed (one WalkedPass per row)."""
+        binding = self._bind("walked", h, positions, keys, values, rope)
+        binding.bind_input("k", np.array([k], np.int64))
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "scores": np.empty((n * B, cfg.intermediate), np.float32),
+                  "selections": np.empty((n * B, cfg.intermediate), bool),
+                  "outputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32),
+                  "settled": np.empty(n * B, bool)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        by_row = {name: array.reshape(n, B, *array.shape[1:]) for name, array in arrays.items()}
+        return [WalkedPass(**{name: np.ascontiguousarray(array[:, b]) for name, array in by_row.items()})
+                for b in range(B)]
+
+    def _bind(self, kind: str, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray],
+              values: list[np.ndarray], rope) -> Binding:
+        B = h.shape[0]
+        if not B == positions.shape[0] == keys[0].shape[0]:
+            raise ValueError(f"{B} rows of h, {positions.shape[0]} positions, {keys[0].shape[0]} cache rows")
+        bindings = getattr(self._local, "bindings", None)
+        if bindings is None:
+            bindings = self._local.bindings = {}
+        binding = bindings.get(kind)
+        if binding is None:
+            binding = bindings[kind] = Binding(self._sessions[kind][0])
+        seqlens = np.ascontiguousarray(positions, dtype=np.int32)
+        total = int(seqlens.max()) + 1
+        if total > keys[0].shape[2]:
+            raise ValueError(f"position {total - 1} is beyond the cache's {keys[0].shape[2]} positions")
+        binding.bind_input("seqlens_k", seqlens)
+        binding.bind_input("total_len", np.array(total, np.int32))
+        for t, base in enumerate(self.bases):
+            cos, sin = rope.table(base, total)
+            binding.bind_input(f"cos{t}", cos)
+            binding.bind_input(f"sin{t}", sin)
+        binding.bind_input("h", np.ascontiguousarray(h, dtype=np.float32))
+        binding.bind_input("f0", self._zeros(B))
+        for i in range(self.config.n_layers):
+            binding.bind_input(f"past_key{i}", keys[i])
+            binding.bind_input(f"past_value{i}", values[i])
+            binding.bind_output(f"present_key{i}", keys[i])
+            binding.bind_output(f"present_value{i}", values[i])
+        return binding

@@ -1,0 +1,335 @@
+"""Batched decode: the decode steps of concurrent replies in one forward pass (like llama.cpp's server slots).
+
+A reply prefills in its own session as always (chunked, through the prefix cache), then joins the batch: its KV
+moves into a row of a pool shaped (rows, kv_heads, capacity, head_dim) per layer, and its session's `kv` becomes a
+`SlotKv`, that row's views. From then on each `DecodeBatch.step` advances every row by one token: each row's own
+code runs in a thread of its own (the session's decode generator: the model's forward pass, sampling, stop
+strings, logprobs, the walk's cache lookups), exactly as on the single path, up to the call of a whole-model
+decoder graph: the model's decoder is a `RowRouter`, which hands that call from a row's thread to the batch. When
+every row has handed in its call or finished its step, one call of the batched graph (graphs/batched.py) computes
+them all, and each row goes on with its own result: the dense decoder's logits, or the walked decoder's pass,
+which the row's walk settles (keys, lookups, stores, and from a hit on, its layers redone) as a single step.
+
+So only the graph call is shared: what a row's FFN decides, and its cache counts, are the single path's. A
+decode step planned from the walk's cache (the served and replay decoders), a prefill, and a call whose kind
+differs from the batch's this step run on their own, as the single path runs them. A row leaves (its pool row is
+freed, the last row moved into its place) when its reply ends or its client goes away, between steps.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Sequence, TypeVar
+
+import numpy as np
+
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn, TransformerModel
+
+T = TypeVar("T")
+INITIAL_CAPACITY = 256      # positions per row at first (KvCache's own default), doubled as rows grow
+
+
+class SlotKv(KvCache):
+    """A KvCache whose per-layer buffers are one row of a DecodeBatch's pool (views into it: the batched graph
+    writes the row's keys and values in place). It cannot grow by itself: the batch makes room before each step."""
+
+    def __init__(self, config, length: int):
+        self.config = config
+        self.length = length
+        self._cap = 0
+        self.keys: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def point_at(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray], row: int) -> None:
+        self.keys = [k[row] for k in keys]
+        self.values = [v[row] for v in values]
+        self._cap = keys[0].shape[2]
+
+    def reserve(self, needed: int) -> None:
+        if needed > self._cap:
+            raise RuntimeError(f"a batched row holds {self._cap} positions, not {needed}: the batch makes room "
+                               "before each step")
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What the batch did since it was made (a snapshot: the API's /v1/cache-stats shows it)."""
+    max_rows: int
+    rows_in_use: int
+    capacity: int           # positions per row in the pool
+    joined: int
+    left: int
+    steps: int              # batched decoder calls
+    row_steps: int          # tokens they computed (rows summed over steps)
+    solo_steps: int         # decoder calls rows handed in but ran on their own (another kind than the step's)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class BatchRow:
+    """One reply's place in the batch: its session and its row of the pool."""
+
+    def __init__(self, batch: "DecodeBatch", session, kv: SlotKv):
+        self.batch = batch
+        self.session = session
+        self.kv = kv
+        self.index = -1
+        self._kind: tuple | None = None     # what it handed in this step: ("dense",) or ("walked", k)
+        self._h: np.ndarray | None = None
+        self._result = None
+        self._error: BaseException | None = None
+        self._solo = False                  # this step its call runs on its own (another kind than the batch's)
+        self._ready = threading.Event()
+
+    def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object]):
+        """In the row's step thread: wait for the batch to run this decoder call (`run_alone` runs it on its own,
+        when the batch says so) and return its result."""
+        if self._kind is not None:           # a second decoder call in one step: the batch's call has run
+            return run_alone()
+        self._ready.clear()
+        self._h = h
+        compute = self.batch._compute
+        compute.release()                    # the other rows run up to their calls meanwhile
+        try:
+            self.batch._hand_in(self, kind)
+            self._ready.wait()
+        finally:
+            compute.acquire()
+        if self._error is not None:
+            raise self._error
+        if self._solo:
+            return run_alone()
+        result, self._result = self._result, None
+        return result
+
+
+class RowRouter:
+    """Stands in for a model's decoder (graphs/decoder.py's OnnxDecoder): a decode step's dense or walked decoder
+    call made from a batch row's step thread, on that row's KV, goes to the row's batch; every other call (other
+    threads: the app's chats, prefills, the served and replay decoders) goes to the decoder itself. Installed
+    once per model (`install`), whatever the number of batches."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.local = threading.local()       # .row: the BatchRow whose step this thread runs
+
+    @classmethod
+    def install(cls, model: TransformerModel) -> "RowRouter":
+        decoder: Any = model.decoder
+        if isinstance(decoder, RowRouter):
+            return decoder
+        router = cls(decoder)
+        model.use_graphs(model.graphs, router, model.softmax)
+        return router
+
+    def __getattr__(self, name: str):
+        return getattr(self.decoder, name)
+
+    def _row_for(self, h: np.ndarray, kv) -> BatchRow | None:
+        row = getattr(self.local, "row", None)
+        return row if row is not None and h.shape[0] == 1 and kv is row.kv else None
+
+    def run(self, h: np.ndarray, start: int, kv, rope) -> np.ndarray:
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run(h, start, kv, rope)   # noqa: E731
+        return alone() if row is None else row.hand_in(("dense",), h, alone)
+
+    def run_walked(self, h: np.ndarray, start: int, kv, rope, k: int):
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run_walked(h, start, kv, rope, k)   # noqa: E731
+        return alone() if row is None else row.hand_in(("walked", k), h, alone)
+
+
+class DecodeBatch(Generic[T]):
+    """The pool of decode rows over one model and its batched decoder graph (graphs/batched.py's
+    OnnxBatchedDecoder). `join`, `leave` and `step` may be called from any thread, one at a time (a lock)."""
+
+    def __init__(self, model: TransformerModel, decoder, max_rows: int = 8):
+        if max_rows < 1:
+            raise ValueError(f"a batch needs at least one row, not {max_rows}")
+        if getattr(model, "decoder", None) is None:     # (TransformerModel declares it None until graphs attach)
+            raise ValueError("a batch needs a model with decoder graphs")
+        self.model = model
+        self.decoder = decoder
+        self.router = RowRouter.install(model)
+        self.max_rows = max_rows
+        self._rows: list[BatchRow] = []
+        self._keys: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
+        self._capacity = 0
+        self._lock = threading.RLock()
+        self._handed = threading.Condition()
+        # Rows' step threads run one at a time (but while waiting for the batch's call), as replies in turns do:
+        # their Python work holds the GIL anyway, and onnxruntime calls made on their own (a served step, a walk
+        # layer redone) would only contend for the same cores.
+        self._compute = threading.Lock()
+        self._threads = ThreadPoolExecutor(max_rows, thread_name_prefix="larql-batch-row")
+        self._joined = self._left = self._steps = self._row_steps = self._solo = 0
+
+    # -- membership ----------------------------------------------------------------------------------------
+    def batches(self, ffn: FfnCall) -> bool:
+        """Whether the decode steps of a reply through `ffn` are ones the batched graphs compute: the dense
+        decoder's or the walked decoder's (a walk whose steps run in one decoder call)."""
+        return isinstance(ffn, PassAwareFfn) and (ffn.runs_plain_dense() or ffn.walk_step_k() is not None)
+
+    def can_join(self, ffn: FfnCall) -> bool:
+        with self._lock:
+            return len(self._rows) < self.max_rows and self.batches(ffn)
+
+    def join(self, session) -> BatchRow:
+        """Move `session`'s KV into a free row; its decode forward passes go through the batch from now on."""
+        with self._lock:
+            if len(self._rows) >= self.max_rows:
+                raise RuntimeError(f"all {self.max_rows} batch rows are in use")
+            old: KvCache = session.kv
+            self._make_room(len(self._rows) + 1, old.length + 1)
+            row = BatchRow(self, session, SlotKv(self.model.config, old.length))
+            row.index = len(self._rows)
+            self._rows.append(row)
+            row.kv.point_at(self._keys, self._values, row.index)
+            for i in range(self.model.config.n_layers):
+                row.kv.keys[i][:, :old.length] = old.keys[i][:, :old.length]
+                row.kv.values[i][:, :old.length] = old.values[i][:, :old.length]
+            session.kv = row.kv
+            self._joined += 1
+            return row
+
+    def leave(self, row: BatchRow) -> None:
+        """Free the row (idempotent). Its session no longer decodes through the batch and its KV is gone: the
+        reply has ended."""
+        with self._lock:
+            if row.index < 0:
+                return
+            last = self._rows[-1]
+            if last is not row:          # the last row moves into the freed one: rows stay 0..n-1
+                n = last.kv.length
+                for store in (self._keys, self._values):
+                    for array in store:
+                        array[row.index, :, :n] = array[last.index, :, :n]
+                last.index = row.index
+                self._rows[row.index] = last
+                last.kv.point_at(self._keys, self._values, last.index)
+            self._rows.pop()
+            row.index = -1
+            session = row.session
+            session.kv = KvCache(self.model.config)   # the pool's row is another reply's now: the session starts over
+            session.history.clear()
+            session.exact_length = 0
+            self._left += 1
+            if not self._rows:           # an idle server holds no pool
+                self._keys, self._values, self._capacity = [], [], 0
+
+    def _make_room(self, rows: int, positions: int) -> None:
+        """Grow the pool to at least `rows` rows (doubling, up to max_rows) of at least `positions` positions."""
+        have_rows = self._keys[0].shape[0] if self._keys else 0
+        if rows <= have_rows and positions <= self._capacity:
+            return
+        new_rows = max(rows, min(self.max_rows, max(1, 2 * have_rows)))
+        capacity = max(self._capacity, INITIAL_CAPACITY)
+        while capacity < positions:
+            capacity *= 2
+        cfg = self.model.config
+        shape = (new_rows, cfg.n_kv_heads, capacity, cfg.head_dim)
+        keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        for new, old in zip(keys + values, self._keys + self._values):
+            new[:have_rows, :, :self._capacity] = old
+        self._keys, self._values, self._capacity = keys, values, capacity
+        for row in self._rows:
+            row.kv.point_at(keys, values, row.index)
+
+    # -- stepping ------------------------------------------------------------------------------------------
+    def _hand_in(self, row: BatchRow, kind: tuple) -> None:
+        with self._handed:
+            row._kind = kind
+            self._handed.notify_all()
+
+    def _notify(self, _future: Future) -> None:
+        with self._handed:
+            self._handed.notify_all()
+
+    def _in_row(self, row: BatchRow, fn: Callable[[], T]) -> Callable[[], T]:
+        def step() -> T:
+            with self._compute:
+                self.router.local.row = row
+                try:
+                    return fn()
+                finally:
+                    self.router.local.row = None
+        return step
+
+    def step(self, steps: dict[BatchRow, Callable[[], T]]) -> dict[BatchRow, T | BaseException]:
+        """Run each row's step (its reply's next token: a decode generator's `next`) in a thread of its own, their
+        decoder calls together in one call of a batched graph; returns each row's result, or the exception its
+        step raised. Rows of the batch not in `steps` sit this step out."""
+        with self._lock:
+            rows = list(self._rows)
+            if any(r.index < 0 for r in steps):
+                raise ValueError("a row that left the batch cannot step")
+            if rows:
+                # Room for every row's next position, and one more: a row that stepped on its own before the
+                # batched call still has a (discarded) row computed at its new length.
+                self._make_room(len(rows), max(r.kv.length for r in rows) + 2)
+            for r in rows:
+                r._kind, r._error, r._solo, r._result = None, None, False, None
+            futures: dict[BatchRow, Future] = {r: self._threads.submit(self._in_row(r, fn)) for r, fn in steps.items()}
+            for f in futures.values():
+                f.add_done_callback(self._notify)
+            with self._handed:
+                # Every stepping row either hands in its decoder call or ends its step without one.
+                self._handed.wait_for(lambda: all(r._kind is not None or f.done() for r, f in futures.items()))
+            waiting = [r for r in rows if r._kind is not None]
+            if waiting:
+                kinds: list[tuple] = [r._kind for r in waiting if r._kind is not None]
+                kind = max(set(kinds), key=lambda x: (kinds.count(x), -kinds.index(x)))
+                batched = [r for r in waiting if r._kind == kind]
+                try:
+                    self._run(rows, kind, batched)
+                except BaseException as exc:     # the rows' steps end with it
+                    for r in batched:
+                        r._error = exc
+                for r in waiting:
+                    r._solo = r._kind != kind        # they run theirs now, after the batch's call wrote its rows
+                    r._ready.set()
+            results: dict[BatchRow, T | BaseException] = {}
+            for r, f in futures.items():
+                raised = f.exception()
+                results[r] = raised if raised is not None else f.result()
+            return results
+
+    def _run(self, rows: list[BatchRow], kind: tuple, batched: list[BatchRow]) -> None:
+        """One batched decoder call of `kind` over the pool's first len(rows) rows. A row not in `batched` computes
+        a row of zeros at its length anyway (the rows must be contiguous): it never reads it (its length stays,
+        or it runs its own call after this one, rewriting it)."""
+        n = len(rows)
+        h = np.zeros((n, self.model.config.hidden), np.float32)
+        for r in batched:
+            assert r._h is not None
+            h[r.index] = r._h[0]
+        positions = np.array([r.kv.length for r in rows], np.int64)
+        keys, values = [k[:n] for k in self._keys], [v[:n] for v in self._values]
+        if kind[0] == "dense":
+            logits = self.decoder.run(h, positions, keys, values, self.model.rope)
+            results: list = [logits[i:i + 1] for i in range(n)]
+        else:
+            results = self.decoder.run_walked(h, positions, keys, values, self.model.rope, kind[1])
+        for r in batched:
+            r._result = results[r.index]
+        with self._handed:
+            self._steps += 1
+            self._row_steps += len(batched)
+            self._solo += sum(1 for r in rows if r._kind is not None and r._kind != kind)
+
+    def load_session(self, walk: bool) -> None:
+        """Make the batched graph's session now (the walked one with `walk`), not at the first batched step."""
+        self.decoder.load_session(walk)
+
+    def stats(self) -> BatchStats:
+        with self._handed:
+            return BatchStats(self.max_rows, len(self._rows), self._capacity, self._joined, self._left,
+                              self._steps, self._row_steps, self._solo)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False)
