@@ -142,6 +142,9 @@ class WalkStepper:
         f = np.ascontiguousarray(self.walk.call_with_scores(i, ran.inputs[i:i + 1], scores), dtype=np.float32)
         return model.run_graph_layers(ran.residuals[i:i + 1], start, kv, self.walk, self, first=i + 1, f=f)
 
+    def runs_decoder_steps(self) -> bool:
+        return self.runs_plain_dense() or self.walk_step_k() is not None
+
     # -- plain dense passes ----------------------------------------------------------------------------------
     def runs_plain_dense(self) -> bool:
         """Whether a whole pass may run as the plain dense model, all layers in one decoder-graph call: yes under

@@ -180,6 +180,9 @@ class PlainDenseStepper:
     def scored_ffn(self, rows: int) -> None:
         return None      # the dense FFN starts from x, not from the gate scores
 
+    def runs_decoder_steps(self) -> bool:
+        return True
+
 
 PLAIN_DENSE = PlainDenseStepper()
 

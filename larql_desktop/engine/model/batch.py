@@ -24,7 +24,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
-from larql_desktop.engine.model.transformer import FfnCall, KvCache, PassAwareFfn, TransformerModel
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel, stepper_of
 
 T = TypeVar("T")
 INITIAL_CAPACITY = 256      # positions per row at first (KvCache's own default), doubled as rows grow
@@ -172,7 +172,8 @@ class DecodeBatch(Generic[T]):
     def batches(self, ffn: FfnCall) -> bool:
         """Whether the decode steps of a reply through `ffn` are ones the batched graphs compute: the dense
         decoder's or the walked decoder's (a walk whose steps run in one decoder call)."""
-        return isinstance(ffn, PassAwareFfn) and (ffn.runs_plain_dense() or ffn.walk_step_k() is not None)
+        stepper = stepper_of(ffn)
+        return stepper is not None and stepper.runs_decoder_steps()
 
     def can_join(self, ffn: FfnCall) -> bool:
         with self._lock:

@@ -48,6 +48,10 @@ class Stepper(Protocol):
     def scored_ffn(self, rows: int) -> ScoredFfnCall | None:
         """The FFN to hand the layer graphs' gate scores to in a pass of `rows` positions; None: the plain call."""
 
+    def runs_decoder_steps(self) -> bool:
+        """Whether a decode step may run whole in the dense or the walked decoder graph: the steps a batch of
+        rows computes together (model/batch.py)."""
+
 
 def stepper_of(ffn: FfnCall) -> Stepper | None:
     """The stepper `ffn` brings (see Stepper), None for a plain callable."""
