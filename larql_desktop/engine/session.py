@@ -51,6 +51,11 @@ class ReplyStream:
         assert self._steps is not None
         return next(self._steps)
 
+    def run(self, steps: Generator[TokenStep, None, None]) -> "ReplyStream":
+        """Iterate `steps` (the session's generator, which settles `text` and `ended` as it ends)."""
+        self._steps = steps
+        return self
+
     def close(self) -> None:
         """End the reply where it is (the session keeps what was generated); harmless once it has ended."""
         assert self._steps is not None
@@ -110,8 +115,7 @@ class ChatSession:
     def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
                       ) -> ReplyStream:
         result = ReplyStream()
-        result._steps = self._reply_steps(ids, settings, logprobs, result)
-        return result
+        return result.run(self._reply_steps(ids, settings, logprobs, result))
 
     def _reply_steps(self, ids: list[int], settings: SamplingSettings, logprobs: int | None,
                      result: ReplyStream) -> Generator[TokenStep, None, None]:

@@ -29,8 +29,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.formats.gguf import GgufFile
-from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, _head, _layers_with_ffn,
-                                                 _selection_check_nodes, rope_bases)
+from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, head_nodes, layers_with_ffn,
+                                                 selection_check_nodes, rope_bases)
 from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
@@ -77,9 +77,9 @@ def _batched_io(cfg: ModelConfig) -> tuple[list, list]:
 
 def build_batched_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     n = cfg.n_layers
-    nodes, inits = _layers_with_ffn(gguf, cfg, build_dense_graph)
+    nodes, inits = layers_with_ffn(gguf, cfg, build_dense_graph)
     _rows_as_sequences(inits)
-    more_nodes, more_inits = _head(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
+    more_nodes, more_inits = head_nodes(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
     nodes += more_nodes
     inits += more_inits
     inputs, outputs = _batched_io(cfg)
@@ -91,13 +91,13 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     """The walked decoder (graphs/decoder.py) over B rows: outputs "inputs", "scores", "selections", "outputs",
     "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
     n = cfg.n_layers
-    nodes, inits = _layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
+    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
     _rows_as_sequences(inits)
     for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
                        ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
     nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
-    nodes += _selection_check_nodes(inits)
+    nodes += selection_check_nodes(inits)
     inputs, outputs = _batched_io(cfg)
     inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
     rows = "nB"

@@ -98,7 +98,7 @@ def _layer(gguf: GgufFile, cfg: ModelConfig, i: int, f_in: str, gated: bool) -> 
     return _renamed(build_layer_graph(gguf, cfg, i, gated=gated).graph, lambda name: edges.get(name, f"l{i}.{name}"))
 
 
-def _head(gguf: GgufFile, cfg: ModelConfig, h: str, f: str) -> tuple[list, list]:
+def head_nodes(gguf: GgufFile, cfg: ModelConfig, h: str, f: str) -> tuple[list, list]:
     head_edges = {"h": h, "f": f, "logits": "logits"}
     return _renamed(build_head_graph(gguf, cfg).graph, lambda name: head_edges.get(name, f"head.{name}"))
 
@@ -121,7 +121,7 @@ def _cache_and_rope_io(cfg: ModelConfig) -> tuple[list, list]:
     return inputs, outputs
 
 
-def _layers_with_ffn(gguf: GgufFile, cfg: ModelConfig, build_ffn, shared: tuple[str, ...] = ()) -> tuple[list, list]:
+def layers_with_ffn(gguf: GgufFile, cfg: ModelConfig, build_ffn, shared: tuple[str, ...] = ()) -> tuple[list, list]:
     """Every layer's graph (not gated) followed by its FFN graph `build_ffn(gguf, cfg, layer)`, each FFN tensor
     renamed into "l{i}.ffn." and wired from the layer's "x_ffn" to its "ffn_out", which the next layer reads;
     the FFN inputs named in `shared` keep their names (one input of the whole graph)."""
@@ -140,14 +140,14 @@ def _layers_with_ffn(gguf: GgufFile, cfg: ModelConfig, build_ffn, shared: tuple[
 
 def build_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     n = cfg.n_layers
-    nodes, inits = _layers_with_ffn(gguf, cfg, build_dense_graph)
+    nodes, inits = layers_with_ffn(gguf, cfg, build_dense_graph)
     # The head reads the last position only: a prefill needs no logits for the others.
     inits += [numpy_helper.from_array(np.array([-1], np.int64), "last_start"),
               numpy_helper.from_array(np.array([np.iinfo(np.int64).max], np.int64), "last_end"),
               numpy_helper.from_array(np.array([0], np.int64), "last_axis")]
     nodes += [helper.make_node("Slice", [f"l{n - 1}.h_out", "last_start", "last_end", "last_axis"], ["h_last"]),
               helper.make_node("Slice", [f"l{n - 1}.ffn_out", "last_start", "last_end", "last_axis"], ["f_last"])]
-    more_nodes, more_inits = _head(gguf, cfg, "h_last", "f_last")
+    more_nodes, more_inits = head_nodes(gguf, cfg, "h_last", "f_last")
     nodes += more_nodes
     inits += more_inits
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
@@ -181,7 +181,7 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     nodes, inits = _served_layers(gguf, cfg, gated=True)
     for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
-    nodes += _selection_check_nodes(inits)
+    nodes += selection_check_nodes(inits)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
@@ -222,12 +222,12 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set).
     Composed from the layer graphs and the top-K walk graphs the per-layer path runs; the head graph runs after."""
     n = cfg.n_layers
-    nodes, inits = _layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
+    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
     for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
                        ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
         nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
     nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
-    nodes += _selection_check_nodes(inits)
+    nodes += selection_check_nodes(inits)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
@@ -241,7 +241,7 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     return make_model(nodes, inits, inputs, outputs, "walked_decoder")
 
 
-def _selection_check_nodes(inits: list) -> list:
+def selection_check_nodes(inits: list) -> list:
     """"settled" (n,): per layer, whether the guessed selection ("selections", (n, F) bool) is exactly the top
     |selection| features of the layer's scores by magnitude with no tie at the boundary (its weakest selected
     magnitude above its strongest unselected one) and no NaN among the scores. Where it is, the key of the

@@ -76,32 +76,32 @@ class BatchRow:
         self.session = session
         self.kv = kv
         self.index = -1
-        self._kind: tuple | None = None     # what it handed in this step: ("dense",) or ("walked", k)
-        self._h: np.ndarray | None = None
-        self._result = None
-        self._error: BaseException | None = None
-        self._solo = False                  # this step its call runs on its own (another kind than the batch's)
-        self._ready = threading.Event()
+        self.handed_kind: tuple | None = None     # what it handed in this step: ("dense",) or ("walked", k)
+        self.handed_h: np.ndarray | None = None
+        self.result = None
+        self.error: BaseException | None = None
+        self.solo = False                  # this step its call runs on its own (another kind than the batch's)
+        self.ready = threading.Event()
 
     def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object]):
         """In the row's step thread: wait for the batch to run this decoder call (`run_alone` runs it on its own,
         when the batch says so) and return its result."""
-        if self._kind is not None:           # a second decoder call in one step: the batch's call has run
+        if self.handed_kind is not None:           # a second decoder call in one step: the batch's call has run
             return run_alone()
-        self._ready.clear()
-        self._h = h
-        compute = self.batch._compute
+        self.ready.clear()
+        self.handed_h = h
+        compute = self.batch.compute_lock
         compute.release()                    # the other rows run up to their calls meanwhile
         try:
-            self.batch._hand_in(self, kind)
-            self._ready.wait()
+            self.batch.receive(self, kind)
+            self.ready.wait()
         finally:
             compute.acquire()
-        if self._error is not None:
-            raise self._error
-        if self._solo:
+        if self.error is not None:
+            raise self.error
+        if self.solo:
             return run_alone()
-        result, self._result = self._result, None
+        result, self.result = self.result, None
         return result
 
 
@@ -164,7 +164,7 @@ class DecodeBatch(Generic[T]):
         # Rows' step threads run one at a time (but while waiting for the batch's call), as replies in turns do:
         # their Python work holds the GIL anyway, and onnxruntime calls made on their own (a served step, a walk
         # layer redone) would only contend for the same cores.
-        self._compute = threading.Lock()
+        self.compute_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_rows, thread_name_prefix="larql-batch-row")
         self._joined = self._left = self._steps = self._row_steps = self._solo = 0
 
@@ -242,9 +242,9 @@ class DecodeBatch(Generic[T]):
             row.kv.point_at(keys, values, row.index)
 
     # -- stepping ------------------------------------------------------------------------------------------
-    def _hand_in(self, row: BatchRow, kind: tuple) -> None:
+    def receive(self, row: BatchRow, kind: tuple) -> None:
         with self._handed:
-            row._kind = kind
+            row.handed_kind = kind
             self._handed.notify_all()
 
     def _notify(self, _future: Future) -> None:
@@ -253,7 +253,7 @@ class DecodeBatch(Generic[T]):
 
     def _in_row(self, row: BatchRow, fn: Callable[[], T]) -> Callable[[], T]:
         def step() -> T:
-            with self._compute:
+            with self.compute_lock:
                 self.router.local.row = row
                 try:
                     return fn()
@@ -274,26 +274,26 @@ class DecodeBatch(Generic[T]):
                 # batched call still has a (discarded) row computed at its new length.
                 self._make_room(len(rows), max(r.kv.length for r in rows) + 2)
             for r in rows:
-                r._kind, r._error, r._solo, r._result = None, None, False, None
+                r.handed_kind, r.error, r.solo, r.result = None, None, False, None
             futures: dict[BatchRow, Future] = {r: self._threads.submit(self._in_row(r, fn)) for r, fn in steps.items()}
             for f in futures.values():
                 f.add_done_callback(self._notify)
             with self._handed:
                 # Every stepping row either hands in its decoder call or ends its step without one.
-                self._handed.wait_for(lambda: all(r._kind is not None or f.done() for r, f in futures.items()))
-            waiting = [r for r in rows if r._kind is not None]
+                self._handed.wait_for(lambda: all(r.handed_kind is not None or f.done() for r, f in futures.items()))
+            waiting = [r for r in rows if r.handed_kind is not None]
             if waiting:
-                kinds: list[tuple] = [r._kind for r in waiting if r._kind is not None]
+                kinds: list[tuple] = [r.handed_kind for r in waiting if r.handed_kind is not None]
                 kind = max(set(kinds), key=lambda x: (kinds.count(x), -kinds.index(x)))
-                batched = [r for r in waiting if r._kind == kind]
+                batched = [r for r in waiting if r.handed_kind == kind]
                 try:
                     self._run(rows, kind, batched)
                 except BaseException as exc:     # the rows' steps end with it
                     for r in batched:
-                        r._error = exc
+                        r.error = exc
                 for r in waiting:
-                    r._solo = r._kind != kind        # they run theirs now, after the batch's call wrote its rows
-                    r._ready.set()
+                    r.solo = r.handed_kind != kind        # they run theirs now, after the batch's call wrote its rows
+                    r.ready.set()
             results: dict[BatchRow, T | BaseException] = {}
             for r, f in futures.items():
                 raised = f.exception()
@@ -307,8 +307,8 @@ class DecodeBatch(Generic[T]):
         n = len(rows)
         h = np.zeros((n, self.model.config.hidden), np.float32)
         for r in batched:
-            assert r._h is not None
-            h[r.index] = r._h[0]
+            assert r.handed_h is not None
+            h[r.index] = r.handed_h[0]
         positions = np.array([r.kv.length for r in rows], np.int64)
         keys, values = [k[:n] for k in self._keys], [v[:n] for v in self._values]
         if kind[0] == "dense":
@@ -317,11 +317,11 @@ class DecodeBatch(Generic[T]):
         else:
             results = self.decoder.run_walked(h, positions, keys, values, self.model.rope, kind[1])
         for r in batched:
-            r._result = results[r.index]
+            r.result = results[r.index]
         with self._handed:
             self._steps += 1
             self._row_steps += len(batched)
-            self._solo += sum(1 for r in rows if r._kind is not None and r._kind != kind)
+            self._solo += sum(1 for r in rows if r.handed_kind is not None and r.handed_kind != kind)
 
     def load_session(self, walk: bool) -> None:
         """Make the batched graph's session now (the walked one with `walk`), not at the first batched step."""
