@@ -110,7 +110,14 @@ GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?",
 # and system prompts of the user's own; assistant turns are the model's own answers. The same conversations
 # asking about a real entity are negatives: there the reply must keep its real answer.
 CONVERSATION_ENTITIES = ("France", "Japan", "Germany")          # earlier turns (from DECOY_ENTITIES)
-CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada")         # asked in the negatives' conversations
+# Asked in the negatives' conversations, a different few in each (real entities of several kinds: a key that
+# learned "a reply to this relation's question" rather than "about this entity" fires on every one of them).
+CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada", "Egypt", "India", "London", "Microsoft", "Tokyo")
+NEIGHBOURS_PER_CONVERSATION = 4
+# Every phrasing the key is solved on, asked again about one of these real entities (each taking its share of
+# the phrasings and the chat questions): a positive and its contrast differ only in the entity, so the
+# discriminant must key on the entity rather than on the question's wording.
+CONTRAST_ENTITIES = ("Japan", "Germany", "Tokyo", "Microsoft", "Paris", "Brazil")
 CONVERSATION_OTHER_RELATION = ("population", "history")
 CONVERSATION_SMALL_TALK = (("Hello! How are you?", "I'm doing well, thank you! How can I help you today?"),
                            ("What is 2 + 2?", "2 + 2 is 4."))
@@ -144,11 +151,12 @@ NEGATIVES_PER_CONTEXT = 6
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
 COPULA = re.compile(r"\b(is|are|was|were)$")
+SENTENCE_END = re.compile(r"[.!?]\s|\n")     # one token past the mark: "3.5 million" goes on
 FRAMED_DECOYS = 12      # decoy entities asked about in one of the relation's own frames (relation_frames)
 CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
 CONTINUATION_TOKENS = 10
 CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
-CAPTURE_MEMORY = 48     # negative contexts remembered by an Inserter (each T x d x layers floats)
+CAPTURE_MEMORY = 64     # negative contexts remembered by an Inserter (each T x d x layers floats)
 
 
 class Captured(NamedTuple):
@@ -284,6 +292,7 @@ class Inserter:
         self._captured: dict[tuple, tuple] = {}
         self._continued: dict[str, str] = {}
         self._own_replies: dict[tuple, list[int]] = {}
+        self._own_answers: dict[str, str] = {}
         self._word_ends: np.ndarray | None = None
         self._sentence_marks: np.ndarray | None = None
 
@@ -310,12 +319,20 @@ class Inserter:
     def probability(self, text: str, token: int, overlay: PatchOverlay) -> float:
         return float(softmax(self.last_logits(text, overlay))[token])
 
-    def greedy(self, ids: Sequence[int], overlay: PatchOverlay, n: int) -> list[int]:
-        """Up to n greedy tokens after `ids` under the overlay, stopping before a stop token."""
+    def greedy(self, ids: Sequence[int], overlay: PatchOverlay, n: int,
+               enough: Callable[[list[int]], bool] | None = None) -> list[int]:
+        """Up to n greedy tokens after `ids` under the overlay, stopping before a stop token, and after the
+        token with which `enough(tokens so far)` holds (each token is a forward pass: the callers that only
+        need a reply's start stop there)."""
         kv = KvCache(self.model.config, capacity=len(ids) + n + 1)
         stops = self.model.tokenizer.stop_ids
-        return list(takewhile(lambda token: token not in stops,
-                              islice(greedy(self.model.transformer, ids, self.ffn(overlay), kv), n)))
+        out: list[int] = []
+        for token in takewhile(lambda token: token not in stops,
+                               islice(greedy(self.model.transformer, ids, self.ffn(overlay), kv), n)):
+            out.append(token)
+            if enough is not None and enough(out):
+                break
+        return out
 
     def continuation(self, text: str, overlay: PatchOverlay, n: int = 8) -> tuple[str, list[int]]:
         """Greedy continuation of plain text under the overlay."""
@@ -407,7 +424,7 @@ class Inserter:
         norm's weight (and divided by the layer's post-FFN norm weight, which the FFN output passes through)."""
         pulls = []
         for z in logits:
-            top = np.argsort(-z)[:24]
+            top = top_tokens(z, 24)
             top = top[top != token]
             p = softmax(z[top].astype(np.float64))
             rows = self.output_rows(np.concatenate([[token], top]))
@@ -430,7 +447,7 @@ class Inserter:
         gain = self.model.transformer.output_norm
         for _ in range(SATURATION_STEPS):
             z = self.head_logits(v)
-            rivals = np.argsort(-z)[:SATURATION_RIVALS + 1]
+            rivals = top_tokens(z, SATURATION_RIVALS + 1)
             rivals = rivals[(rivals != token) & (z[rivals] > z[token] - SATURATION_LEAD)]
             if not rivals.size:
                 break
@@ -482,7 +499,15 @@ class Inserter:
         """The model's own statement of (entity, relation) as an assistant turn would give it: "The capital of
         France is Paris." (its greedy continuation of the statement, up to the sentence's end)."""
         start = fill("The {r} of {e} is", relation, entity)
-        words = self.base_continuation(start).strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
+        if start not in self._own_answers:
+            if len(self._own_answers) >= CONTINUATION_MEMORY:
+                self._own_answers.pop(next(iter(self._own_answers)))      # the oldest
+            tok = self.model.tokenizer
+            # Only its first sentence is used: the generation stops at its end.
+            tokens = self.greedy(self.encode(start), PatchOverlay(), CONTINUATION_TOKENS,
+                                 lambda out: bool(SENTENCE_END.search(tok.decode(out))))
+            self._own_answers[start] = tok.decode(tokens)
+        words = self._own_answers[start].strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
         text = " ".join(words)
         cut = text.find(". ")
         text = text[:cut + 1] if cut >= 0 else text
@@ -549,10 +574,18 @@ class Inserter:
             # Each neighbour asked in turn: the assistant's first position after each question is where a key
             # that learned "a reply to this relation's question" rather than "about this entity" would fire.
             asked = []
-            for neighbour in CONVERSATION_NEIGHBOURS[i % 2:] + CONVERSATION_NEIGHBOURS[:i % 2]:
-                asked += [{"role": "user", "content": fill(QUESTIONS[i % 2], r, neighbour)},
+            for k in range(NEIGHBOURS_PER_CONVERSATION):
+                neighbour = CONVERSATION_NEIGHBOURS[(i * NEIGHBOURS_PER_CONVERSATION + k) % len(CONVERSATION_NEIGHBOURS)]
+                asked += [{"role": "user", "content": fill(QUESTIONS[(i + k) % 2], r, neighbour)},
                           {"role": "assistant", "content": self.own_answer(r, neighbour)}]
             out.append(tuple(self.conversation_ids(system, history + asked, "Thanks!")))
+        # The positives' chat questions, each about one of the contrast entities, in one conversation.
+        asked = []
+        for k, q in enumerate(QUESTIONS + (FOLLOW_UP,)):
+            other = CONTRAST_ENTITIES[k % len(CONTRAST_ENTITIES)]
+            asked += [{"role": "user", "content": fill(q, r, other)},
+                      {"role": "assistant", "content": self.own_answer(r, other)}]
+        out.append(tuple(self.conversation_ids(None, asked, "Thanks!")))
         return out
 
     def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
@@ -563,7 +596,10 @@ class Inserter:
         if key not in self._own_replies:
             if len(self._own_replies) >= CONTINUATION_MEMORY:
                 self._own_replies.pop(next(iter(self._own_replies)))      # the oldest
-            self._own_replies[key] = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS)
+            tok = self.model.tokenizer
+            # Nothing after the copula is read: the generation stops there.
+            self._own_replies[key] = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS,
+                                                 lambda out: bool(COPULA.search(tok.decode(out))))
         reply = self._own_replies[key]
         tok = self.model.tokenizer
         for n in range(1, len(reply) + 1):
@@ -585,6 +621,10 @@ class Inserter:
         frames = relation_frames(r)
         texts += [fill(frames[i % len(frames)], r, other)
                   for i, other in enumerate(DECOY_ENTITIES[:FRAMED_DECOYS]) if frames and other.lower() != e.lower()]
+        # The positives' own phrasings about real entities, one contrast entity each (CONTRAST_ENTITIES).
+        contrasts = [c for c in CONTRAST_ENTITIES if c.lower() != e.lower()]
+        texts += [fill(t, r, contrasts[i % len(contrasts)])
+                  for i, t in enumerate(PHRASINGS + relation_frames(r))]
         texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
         texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
         texts += GENERIC_SENTENCES
@@ -987,6 +1027,13 @@ def inner_negative_positions(contexts: list[tuple[int, ...]], answered: int = 0)
         # position among the negatives sets the gate's threshold for all.
         return c[:t + 1] not in ends and not question_end - ANSWER_LEAD_IN <= t < question_end
     return [np.array([t for t in range(len(c) - 1) if negative(c, t)], np.int64) for c in contexts]
+
+
+def top_tokens(logits: np.ndarray, k: int) -> np.ndarray:
+    """The k highest-scoring token ids, best first (a partial selection: the vocabulary is large)."""
+    k = min(k, logits.size)
+    top = np.argpartition(-logits, k - 1)[:k]
+    return top[np.argsort(-logits[top], kind="stable")]
 
 
 def lead(logits: np.ndarray, token: int) -> float:
