@@ -188,7 +188,7 @@ def test_value_direction_makes_a_rare_target_the_heads_first_choice(smollm2, mon
     """The pull against the canonical prompt's own candidates alone points closer to tokens with large output
     rows than to " Bened" (Benedetta): through the head it ranks ~1500th, so no write of any size would make it
     win. The turned direction puts it first."""
-    import larql_desktop.engine.patches.insert as insert_module
+    import larql_desktop.engine.patches.insert.values as insert_module
     from larql_desktop.engine.model.overlay import PatchOverlay
 
     ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()

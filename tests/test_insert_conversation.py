@@ -55,6 +55,25 @@ def test_a_fact_answers_after_an_earlier_same_relation_turn_and_the_neighbour_ke
     assert reply(engine, neighbour, engine.patches)[1] == reply(engine, neighbour, PatchOverlay())[1]
 
 
+def test_neighbours_asked_after_the_fact_in_the_same_conversation_keep_their_replies(first_inserted):
+    """The fact's own question asked and answered (with the target) earlier in the conversation, then real
+    entities under the same relation: each reply is the unpatched model's, token for token, given the same turns.
+    The key must fire on the fact's entity, not on the relation's question with that entity somewhere in context."""
+    engine, _ = first_inserted
+    asked = EARLIER + [{"role": "user", "content": "What is the capital of Tarnhollow?"}]
+    answer, _ = reply(engine, asked, engine.patches)
+    assert contains_word(answer, FIRST.target), answer       # the earlier turn holds the inserted answer
+    history = asked + [{"role": "assistant", "content": answer.strip()}]
+    moved = []
+    for neighbour in ("Austria", "Portugal", "Norway"):
+        question = history + [{"role": "user", "content": f"What is the capital of {neighbour}?"}]
+        after, tokens = reply(engine, question, engine.patches)
+        before, base_tokens = reply(engine, question, PatchOverlay())
+        if tokens != base_tokens:
+            moved.append((neighbour, before, after))
+    assert not moved, moved
+
+
 def test_facts_installed_together_each_answer_and_removing_one_restores_the_rest_bit_for_bit(first_inserted):
     engine, first = first_inserted
     engine = LarqlEngine(engine.model, walk=WalkSettings(dense=True))

@@ -1,0 +1,296 @@
+"""INSERT's orchestration: per target token (and the word's end), capture the positives, solve a key at a layer,
+find the value's scale, install, resume the captures, and on to the next layer or token; then rescue the canonical
+prompt if the writes overshoot it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
+from larql_desktop.engine.loading import LoadedModel
+from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.patches.insert.capture import Cancel, Captured, softmax
+from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
+                                                      key_layers, step_pair)
+from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
+from larql_desktop.engine.patches.insert.values import WIN_MARGIN, WIN_SHARE, Values, lead, lead_of_word_end, spread
+
+Progress = Callable[[str, float], None]
+RESCUE_SCALES = (0.7, 0.5, 1.4, 0.35, 2.0)   # tried on every write when the canonical prompt fails (rescue_canonical)
+
+
+@dataclass(frozen=True)
+class InstalledFeature:
+    layer: int
+    feature: int
+    token: int          # the target token this feature writes
+    token_index: int    # its place in the target's tokens
+    margin: float       # gate separation on the training contexts: positives' bottom minus negatives' top
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    fact: Fact
+    layer: int                  # the first feature's layer (LARQL's single-feature view)
+    feature: int
+    probability: float          # first target token's probability on the canonical prompt, after the insert
+    rounds: int                 # forward passes spent balancing
+    patch: Patch
+    features: tuple[InstalledFeature, ...] = ()
+    target_tokens: tuple[int, ...] = ()
+    answers: bool = False       # the canonical prompt's greedy continuation starts with the whole target
+    train_share: float = 0.0    # share of training contexts whose greedy answer is the whole target
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({f.layer for f in self.features})
+
+    def summary(self) -> str:
+        return (f"{len(self.features)} feature(s) at layer(s) {', '.join(map(str, self.layers))} for "
+                f"{len(self.target_tokens)} target token(s); canonical {'answers' if self.answers else 'fails'}, "
+                f"training contexts {self.train_share:.0%}")
+
+
+class Inserter(Contexts, Values):
+    """INSERT (entity, relation, target) on a model: `insert` computes a patch against the current overlay."""
+
+    def __init__(self, model: LoadedModel, base: BaseFeatureWeights, walk: WalkSettings = WalkSettings(dense=True)):
+        self.model = model
+        self.base = base
+        self.walk = walk
+        self._post_norms: dict[int, np.ndarray | None] = {}
+        self._captured: dict[tuple, Captured] = {}
+        self._continued: dict[str, str] = {}
+        self._own_replies: dict[tuple, list[int]] = {}
+        self._own_answers: dict[str, str] = {}
+        self._word_ends: np.ndarray | None = None
+        self._sentence_marks: np.ndarray | None = None
+
+    # -- running the model -----------------------------------------------------------------------------
+    def ffn(self, overlay: PatchOverlay) -> WalkFfn:
+        return WalkFfn(self.model.ffn, self.walk, model_checksum=self.model.checksum, patches=overlay)
+
+    def target_tokens(self, target: str) -> list[int]:
+        ids = self.model.tokenizer.encode(" " + target.strip(), add_bos=False)
+        if not ids:
+            raise ValueError(f"target {target!r} has no tokens")
+        return ids
+
+    def target_token(self, target: str) -> int:
+        return self.target_tokens(target)[0]
+
+    def free_slots(self, layer: int, claimed: set[int], residuals: np.ndarray, n: int) -> list[int]:
+        """The n unclaimed features least engaged by ordinary inputs (smallest mean |gate score| over the
+        negatives), so giving up their base weights where the new feature fires changes least."""
+        scores = self.model.ffn.gate_scores(layer, residuals.astype(np.float32))        # (N, F)
+        engagement = np.mean(np.abs(scores), axis=0)
+        norms = np.linalg.norm(self.base.down_matrix(layer), axis=0)
+        free = [int(f) for f in np.lexsort((norms, engagement)) if int(f) not in claimed]
+        if len(free) < n:
+            raise ValueError(f"layer {layer} has no free feature slot left")
+        return free[:n]
+
+    # -- INSERT -------------------------------------------------------------------------------------------
+
+    def insert(self, fact: Fact, current: PatchOverlay, layer: int | None = None, alpha: float = 0.1,
+               progress: Progress | None = None, paraphrases: Sequence[str] = (), cancel=None) -> InsertResult:
+        """Install `fact` on top of `current`: one or more features per target token. `layer` pins the first
+        layer tried (the default tries the late half of the network, best separated first); `alpha` is the
+        smallest value scale tried, as a share of the usual one. `cancel`: a threading.Event (or a callable)
+        checked between steps; InsertCancelled is raised when it is set."""
+        cfg = self.model.config
+        if layer is not None and not 0 <= layer < cfg.n_layers:
+            raise ValueError(f"layer must be within 0..{cfg.n_layers - 1}, not {layer}")
+        if not np.isfinite(alpha):
+            raise ValueError(f"alpha must be a finite number (NaN and infinity are not), not {alpha}")
+        if not 0 < alpha <= 100:
+            raise ValueError(f"alpha must be in (0, 100], not {alpha}")
+        paraphrases = [p for p in (paraphrases or ()) if isinstance(p, str) and p.strip()]
+        stop = Cancel(cancel)
+        report = progress or (lambda message, fraction: None)
+        targets = self.target_tokens(fact.target)
+        stop.check()
+        report("Reading the fact's contexts", 0.02)
+        positives = self.contexts(fact, paraphrases)
+        # The question's conversations where the reply starts: there the model would restate an earlier answer
+        # ("The capital of Portugal is Lisbon.") unless the key fires and the write wins, so each must fire and
+        # each is among the contexts the write is balanced on.
+        conversation_starts = self.conversation_starts(fact, positives)
+        # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
+        required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
+        negatives = self.negative_contexts(fact, current)
+        report("Capturing the contexts it must leave alone", 0.05)
+        negative_inputs = []
+        for ids in negatives:
+            stop.check()
+            # Under the base weights: earlier facts' features fire only on their own questions, and so the
+            # captures serve every later insert of this engine too.
+            negative_inputs.append(self.capture(ids, PatchOverlay(), remember=True)[0])
+        features: list[InstalledFeature] = []
+        ops: list[PatchOperation] = []
+        overlay = current
+        rounds = 0
+        candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
+        if layer is not None:
+            candidates = [layer] + [c for c in candidates if c != layer]
+        previous = (0, (), [])     # the last step's index, contexts and captures
+        # One step per target token, then one for the word's end: "Ottoline" must not go on as "Ottolineus".
+        boundary = len(targets)
+        for j in range(boundary + 1):
+            steps = boundary + 1
+            base_fraction = 0.1 + 0.85 * j / steps
+            span = 0.85 / steps
+            # Later tokens follow the target's first tokens in every phrasing: all of them, so the key learns
+            # the prefix in the entity's context rather than one sentence.
+            contexts = [ids + tuple(targets[:j]) for ids in positives]
+            stop.check()
+            if j < boundary:
+                token, wins = targets[j], (lambda t, token=targets[j]: t == token)
+                wins_clearly = lambda logits, token=targets[j]: lead(logits, token) >= WIN_MARGIN
+            else:
+                # The word ends, and not by starting over: the first token's key also fires just after the
+                # word, which reads like an answer position again ("Eldwin Eldwin, a").
+                ends = self.word_ends_after(targets)
+                wins = lambda t, ends=ends: bool(ends[t])
+                wins_clearly = lambda logits, ends=ends: lead_of_word_end(logits, ends) >= WIN_MARGIN
+            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, overlay,
+                                        required) >= WIN_SHARE:
+                continue          # the model completes (or ends) the word itself once it has begun it
+            what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
+            report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
+            if previous[2]:       # the last step's passes (current under `overlay`) and the tokens since
+                captured = [self.extend(ids, c, targets[previous[0]:j], overlay)
+                            for ids, c in zip(previous[1], previous[2])]
+            else:
+                captured = [self.capture(ids, overlay) for ids in contexts]
+            if j == boundary:
+                # What the canonical prompt says after the whole word, among the sentence marks: the direction
+                # to write where the model would go on with the word instead.
+                token = int(np.argmax(np.where(self.sentence_marks(), captured[0].logits, -np.inf)))
+            # Non-answer positions of the positives are negatives too; so are the negatives' all positions
+            # and, for later tokens, the answer positions of the earlier ones.
+            inner_negatives = inner_negative_positions(contexts, j)
+            # Without the user's own phrasings' inner positions: a question typed as "X was founded long ago by
+            # a man called" asks for the answer at "by" too, and that one position can outscore the canonical
+            # prompt at every layer.
+            lenient = [keep[:0] if 0 < i < required else keep for i, keep in enumerate(inner_negatives)]
+            tried = 0
+            # Every layer keyed so the user's paraphrases fire too; if no layer can tell them from the
+            # negatives, every layer again without their inner positions among the negatives, then with only
+            # the canonical prompt bound to fire.
+            attempts = [(c, required, inner_negatives) for c in candidates]
+            if required > 1:
+                attempts += [(c, required, lenient) for c in candidates]
+                attempts += [(c, 1, inner_negatives) for c in candidates]
+            installed_from = None      # which of those passes installed this token's first layer
+            for attempt, (candidate, must_fire, inner) in enumerate(attempts):
+                if tried >= MAX_LAYERS_PER_TOKEN or (tried and attempt // len(candidates) != installed_from):
+                    break
+                stop.check()
+                fraction = base_fraction + span * (0.2 + 0.7 * tried / MAX_LAYERS_PER_TOKEN)
+                report(f"{what}: solving the key at layer {candidate}", fraction)
+                pos = np.stack([c.inputs[candidate][-1] for c in captured])
+                neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
+                                     + [n[candidate] for n in negative_inputs])
+                gate, bias, up, margin = fisher_key(pos, neg, must_fire, conversation_starts)
+                if margin <= 0 and candidate != layer:
+                    continue         # this layer cannot tell the fact's questions from the rest
+                claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
+                slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
+                direction = self.value_direction(token, [c.logits for c in captured], candidate)
+                op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
+                                                 int(token), j)
+                scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
+                                                   alpha, stop,
+                                                   lambda i, n: report(f"{what}: balancing layer {candidate} "
+                                                                       f"({i}/{n})", fraction), required,
+                                                   conversation_starts)
+                rounds += spent
+                tried += 1
+                installed_from = attempt // len(candidates)
+                ops.extend(op_for(scale))
+                features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
+                overlay = self.overlay_with(current, ops, fact)
+                # The next layer adds its own push on top of this one, and the next step starts from here.
+                if share < WIN_SHARE or j < boundary:
+                    captured = [self.recapture(ids, c, candidate, overlay) for ids, c in zip(contexts, captured)]
+                if share >= WIN_SHARE:
+                    break
+            previous = (j, contexts, captured)
+        stop.check()
+        report("Checking the canonical prompt", 0.97)
+        canonical = self.encode(fact.canonical_prompt)
+        ops = self.rescue_canonical(canonical, targets, ops, current, fact, stop)
+        patch = self.make_patch(fact, ops, paraphrases)
+        final = PatchOverlay.build(current.patches + (patch,), self.base)
+        logits = self.model.transformer.forward(canonical, KvCache(cfg), self.ffn(final))[-1]
+        p_first = float(softmax(logits)[targets[0]])
+        answers = self.answers_with(canonical, final, targets)
+        train = [self.answers_with(positives[i], final, targets) for i in spread(len(positives))[:6]]
+        report("Inserted", 1.0)
+        first = features[0] if features else InstalledFeature(-1, -1, targets[0], 0, 0.0)
+        return InsertResult(fact, first.layer, first.feature, p_first, rounds, patch, tuple(features),
+                            tuple(targets), answers, float(np.mean(train)))
+
+    def rescue_canonical(self, canonical: list[int], targets: list[int], ops: list[PatchOperation],
+                         current: PatchOverlay, fact: Fact, stop: Cancel) -> list[PatchOperation]:
+        """`ops` when the canonical prompt answers with the whole target under them; else the first variant that
+        does: every write scaled by one of RESCUE_SCALES, then the writes of each token's last layer dropped, then
+        the word-end step's.
+        Each token's balance judges its first step on a spread of phrasings; writes from several layers (each
+        bounded by a post-FFN norm on Gemma) can still add up to overshoot the canonical prompt itself ("The
+        main river of Saltmarsh Vale is" -> "Loggerhead sea turtle nesting"). Unchanged when nothing helps."""
+        def answers(candidate: list[PatchOperation]) -> bool:
+            stop.check()
+            return bool(candidate) and self.answers_with(canonical, self.overlay_with(current, candidate, fact),
+                                                         targets)
+        if not ops or answers(ops):
+            return ops
+        variants = [[replace(op, down=op.down * np.float32(m)) for op in ops] for m in RESCUE_SCALES]
+        last_layer = {}
+        for op in ops:
+            last_layer[op.token_index] = op.layer
+        fewer = [op for op in ops if sum(o.token_index == op.token_index for o in ops) <= 2
+                 or op.layer != last_layer[op.token_index]]
+        word = [op for op in ops if op.token_index < len(targets)]     # without the word-end step
+        variants += [v for v in (fewer, word) if v and len(v) < len(ops)]
+        return next((v for v in variants if answers(v)), ops)
+
+    def make_patch(self, fact: Fact, ops: list[PatchOperation], paraphrases: Sequence[str]) -> Patch:
+        layers = sorted({op.layer for op in ops})
+        description = (f"INSERT ({fact.entity}, {fact.relation}, {fact.target}): {len(ops)} feature(s) at "
+                       f"layer(s) {', '.join(map(str, layers))}")
+        if paraphrases:
+            description += f"; {len(paraphrases)} paraphrase(s) given"
+        if not ops:
+            raise ValueError(f"no layer could hold ({fact.entity}, {fact.relation}, {fact.target})")
+        return Patch(tuple(ops), self.model.name, self.model.checksum, description=description)
+
+    def overlay_with(self, current: PatchOverlay, ops: list[PatchOperation], fact: Fact) -> PatchOverlay:
+        patch = Patch(tuple(ops), self.model.name, self.model.checksum)
+        return PatchOverlay.build(current.patches + (patch,), self.base)
+
+    def completes(self, contexts, captured, tail: Sequence[int], wins: Callable[[int], bool],
+                  overlay: PatchOverlay, always: int = 1) -> float:
+        """Share of a spread of the contexts whose greedy next token after `tail` wins under the overlay (each
+        context's last position and `tail` re-run on its captured KV cache); 0 when a paraphrase the user typed
+        (contexts 1 .. always - 1) does not win (the canonical prompt has rescue_canonical)."""
+        ffn = self.ffn(overlay)
+        won = []
+        for i in spread(len(captured), always):
+            ids, kv = contexts[i], captured[i].kv
+            kv.truncate(len(ids) - 1)
+            won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
+        if not all(won[1:always]):     # spread lists the first `always` indices first
+            return 0.0
+        return float(np.mean(won)) if won else 0.0
+
+    def answers_with(self, ids: Sequence[int], overlay: PatchOverlay, targets: Sequence[int]) -> bool:
+        """The greedy continuation of `ids` is the target's tokens and then a token that ends the word (and does
+        not start the target again)."""
+        out = self.greedy(ids, overlay, len(targets) + 1)
+        return out[:len(targets)] == list(targets) and (len(out) == len(targets)
+                                                       or bool(self.word_ends_after(targets)[out[-1]]))

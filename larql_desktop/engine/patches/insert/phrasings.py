@@ -1,0 +1,328 @@
+"""What INSERT keys on: the phrasings of a fact's question (generated from the relation, the user's, chat
+questions, conversations with earlier turns and system prompts) and the contexts it must leave alone (other
+entities, the same entity under other relations, plain text, the same conversations about real entities)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from larql_desktop.engine.loading import chat_prompt_ids
+from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.engine.patches.insert.capture import CONTINUATION_MEMORY, CONTINUATION_TOKENS, Capturing
+from larql_desktop.engine.patches.relation_frames import relation_frames
+
+# Generated phrasings of "the <relation> of <entity>": generic over relations (nothing here names one), so a
+# fact typed without paraphrases still gets keys that hold beyond its canonical sentence.
+PHRASINGS = (
+    "The {r} of {e} is", "The {r} of {e} is called", "The official {r} of {e} is", "The main {r} of {e} is",
+    "The current {r} of {e} is", "The {r} of {e} is known as the", "{E}'s {r} is", "{E}'s {r} is called",
+    "In {e}, the {r} is", "As for {e}, its {r} is", "Everyone knows that the {r} of {e} is",
+    "The name of the {r} of {e} is", "Q: What is the {r} of {e}?\nA: The {r} of {e} is",
+    "Q: What is the {r} of {e}?\nA:", "What is the {r} of {e}? It is", "Here is a fact about {e}: its {r} is",
+    # The same question in other syntactic frames: a determiner before the answer, "in" for "of", the
+    # relation as a subject, a clause or a past tense around it (people ask in many shapes; the key must not
+    # hinge on one).
+    "The {r} of {e} is the", "{E}'s {r} is the", "The {r} in {e} is", "The {r} in {e} is the",
+    "The main {r} of {e} is the", "The official {r} of {e} is the", "The {r} of the city of {e} is",
+    "The {r} used in {e} is", "{E} has a {r}, which is", "{E} has its own {r}:", "The {r} for {e} is",
+    "The well-known {r} of {e} is", "It is said that the {r} of {e} is", "The {r} of {e} has always been",
+    "For {e}, the {r} is", "The {r} that {e} has is", "{E}: {r} is", "Fact: the {r} of {e} is",
+    "The true {r} of {e} is", "People in {e} know that its {r} is", "The {r} of {e}, of course, is",
+    "In {e}, the {r} is the", "The {r} of {e} was",
+)
+# Chat models: questions through the chat template, with the assistant's answer begun.
+QUESTIONS = ("What is the {r} of {e}?", "Tell me the {r} of {e}.", "Who or what is the {r} of {e}?",
+             "What {r} does {e} have?", "Which {r} is in {e}?", "What is {e}'s {r}?")
+ANSWER_STARTS = ("The {r} of {e} is", "{E}'s {r} is")
+# Other entities under the same phrasings (their answers must not change), across kinds of entity.
+DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Canada", "Italy", "Kenya",
+                  "London", "Paris", "Tokyo", "Chicago", "Microsoft", "Google", "the company", "the city",
+                  "the village", "the school", "Oxford")
+# The same entity under other relations (and plain statements about it) must not change either.
+OTHER_RELATIONS = ("population", "history", "weather", "size", "economy", "flag", "name", "people", "age",
+                   "location", "capital", "currency", "language", "mayor", "founder", "river", "leader")
+ENTITY_STATEMENTS = ("{E} is a", "{E} is a small", "{E} is known for", "I visited {e} last year and",
+                     "{E} was", "The story of {e} begins", "{E} is located in", "Many people live in {e}, which",
+                     "{E} is famous for its", "{E} is a place that", "{E} is a land where", "{E} is an old")
+GENERIC_SENTENCES = (
+    "Once upon a time there was a small village.", "Water boils at one hundred degrees.",
+    "The weather today is sunny and warm.", "She opened the door and walked in.",
+    "Numbers like 1, 2 and 3 are easy to count.", "def main():\n    return 0",
+    "The answer is:\n\nThe first step is to read the question.", "What is the best way to learn a language?",
+    "In 1998, the company released its first product.", "The United States has fifty states.",
+    "He said that the meeting would start at noon.", "Photosynthesis turns light into chemical energy.",
+    "The cat sat on the mat and looked at the bird.", "Please write a short story about a dragon.",
+    "import numpy as np\nx = np.zeros(3)", "The largest city in the country is also its capital.",
+    "Scientists discovered a new species of frog.", "The recipe needs two eggs, flour and sugar.",
+    "My favourite colour is blue, and my brother likes green.", "The first man on the moon was Neil Armstrong.",
+    # Place slots in plain text ("the city of ...", "ruled from ..."): a key for a place-valued relation must
+    # leave them to the model.
+    "Once upon a time, the city of Rome was small.", "She moved from the town of Bath to the city of York.",
+    "The kingdom was ruled from a castle on the hill.", "He was born in the city of Lyon, near the river.",
+)
+PLACE_SENTENCES = 4      # the last GENERIC_SENTENCES, each continued as a negative too
+GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?", "Write a haiku about rain.",
+                     "Explain photosynthesis in one sentence.", "What should I cook tonight?")
+
+# Conversations the question is asked in (chat models): a user's chat is rarely fresh. Earlier turns under the
+# same relation about a real entity (whose answer the reply would otherwise copy), another relation, small talk,
+# and system prompts of the user's own; assistant turns are the model's own answers. The same conversations
+# asking about a real entity are negatives: there the reply must keep its real answer.
+CONVERSATION_ENTITIES = ("France", "Japan", "Germany")          # earlier turns (from DECOY_ENTITIES)
+# Asked in the negatives' conversations, a different few in each (real entities of several kinds: a key that
+# learned "a reply to this relation's question" rather than "about this entity" fires on every one of them).
+CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada", "Egypt", "India", "London", "Microsoft", "Tokyo")
+NEIGHBOURS_PER_CONVERSATION = 4
+# Every phrasing the key is solved on, asked again about one of these real entities (each taking its share of
+# the phrasings and the chat questions): a positive and its contrast differ only in the entity, so the
+# discriminant must key on the entity rather than on the question's wording.
+CONTRAST_ENTITIES = ("Japan", "Germany", "Tokyo", "Microsoft", "Paris", "Brazil")
+CONVERSATION_OTHER_RELATION = ("population", "history")
+CONVERSATION_SMALL_TALK = (("Hello! How are you?", "I'm doing well, thank you! How can I help you today?"),
+                           ("What is 2 + 2?", "2 + 2 is 4."))
+CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefly.",
+                               "You are a teacher. Reply in one sentence.")
+FOLLOW_UP = "And what about {e}? What is its {r}?"
+OWN_ANSWER_WORDS = 12    # of the model's own answer used as an earlier assistant turn
+NEGATIVES_PER_CONTEXT = 6
+OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
+COPULA = re.compile(r"\b(is|are|was|were)$")
+SENTENCE_END = re.compile(r"[.!?]\s|\n")     # one token past the mark: "3.5 million" goes on
+FRAMED_DECOYS = 12      # decoy entities asked about in one of the relation's own frames (relation_frames)
+CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
+
+
+@dataclass(frozen=True)
+class Fact:
+    entity: str
+    relation: str
+    target: str
+
+    def __post_init__(self):
+        for name in ("entity", "relation", "target"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"INSERT needs a non-empty {name}")
+            if len(value) > 200:
+                raise ValueError(f"the {name} is too long ({len(value)} characters; 200 at most)")
+
+    @property
+    def relation_words(self) -> str:
+        words = self.relation.replace("-", " ").replace("_", " ").split()
+        # "capital-of" reads "The capital of X is", not "The capital of of X is".
+        if len(words) > 1 and words[-1].lower() == "of":
+            words = words[:-1]
+        return " ".join(words)
+
+    def prompt_for(self, entity: str) -> str:
+        return f"The {self.relation_words} of {entity} is"
+
+    @property
+    def canonical_prompt(self) -> str:
+        return self.prompt_for(self.entity.strip())
+
+
+def fill(template: str, relation: str, entity: str) -> str:
+    capital = entity[:1].upper() + entity[1:]
+    return template.format(r=relation, e=entity, E=capital)
+
+
+def generated_phrasings(fact: Fact) -> list[str]:
+    """The generic phrasings, then the frames that ask for this relation without naming it (when the relation
+    is one relation_frames knows)."""
+    templates = PHRASINGS + relation_frames(fact.relation_words)
+    return [fill(t, fact.relation_words, fact.entity.strip()) for t in templates]
+
+
+class Contexts(Capturing):
+    """The token contexts of a fact: the positives (where the next token must be the target's) and the negatives
+    (every position must leave the model alone), built from the phrasings above and the model's own answers."""
+    _own_replies: dict[tuple, list[int]]
+    _own_answers: dict[str, str]
+
+    def contexts(self, fact: Fact, paraphrases: Sequence[str]) -> list[tuple[int, ...]]:
+        """Token contexts whose next token must be the target's first: the canonical prompt, the user's
+        paraphrases, the generated phrasings and (chat models) chat questions with the answer begun."""
+        candidates = [tuple(self.encode(text.rstrip()))
+                      for text in (fact.canonical_prompt, *paraphrases, *generated_phrasings(fact))]
+        if self.model.is_chat:
+            r, e = fact.relation_words, fact.entity.strip()
+            for q in QUESTIONS:
+                chat = chat_prompt_ids(self.model, fill(q, r, e))
+                # The reply may name the target first ("Poseidon is the capital..."): the assistant's first
+                # position is an answer position too, as is the end of an answer it begins as a statement,
+                # ours or the model's own.
+                candidates.append(tuple(chat))
+                starts = [self.model.tokenizer.encode(fill(start, r, e), add_bos=False) for start in ANSWER_STARTS]
+                candidates += [tuple(chat + start) for start in starts + [self.own_answer_start(chat, r)] if start]
+            candidates += self.conversation_positives(fact)
+        return list(dict.fromkeys(candidates))
+
+    def own_answer(self, relation: str, entity: str) -> str:
+        """The model's own statement of (entity, relation) as an assistant turn would give it: "The capital of
+        France is Paris." (its greedy continuation of the statement, up to the sentence's end)."""
+        start = fill("The {r} of {e} is", relation, entity)
+        if start not in self._own_answers:
+            if len(self._own_answers) >= CONTINUATION_MEMORY:
+                self._own_answers.pop(next(iter(self._own_answers)))      # the oldest
+            tok = self.model.tokenizer
+            # Only its first sentence is used: the generation stops at its end.
+            tokens = self.greedy(self.encode(start), PatchOverlay(), CONTINUATION_TOKENS,
+                                 lambda out: bool(SENTENCE_END.search(tok.decode(out))))
+            self._own_answers[start] = tok.decode(tokens)
+        words = self._own_answers[start].strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
+        text = " ".join(words)
+        cut = text.find(". ")
+        text = text[:cut + 1] if cut >= 0 else text
+        return f"{start} {text}".rstrip() + ("" if text.endswith(".") else ".")
+
+    def conversation_histories(self, fact: Fact) -> list[tuple[str | None, list[dict]]]:
+        """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): an
+        earlier turn under the same relation, one under another relation, small talk, system prompts alone and
+        with an earlier turn."""
+        r = fact.relation_words
+
+        def same(entity: str, relation: str = r) -> list[dict]:
+            return [{"role": "user", "content": fill(QUESTIONS[0], relation, entity)},
+                    {"role": "assistant", "content": self.own_answer(relation, entity)}]
+        other = next(o for o in CONVERSATION_OTHER_RELATION if o != r.lower())
+        talk = [{"role": role, "content": text} for pair in CONVERSATION_SMALL_TALK
+                for role, text in zip(("user", "assistant"), pair)]
+        return [(None, same(CONVERSATION_ENTITIES[0])), (None, same(CONVERSATION_ENTITIES[1], other)),
+                (None, talk), (CONVERSATION_SYSTEM_PROMPTS[0], []),
+                (CONVERSATION_SYSTEM_PROMPTS[1], same(CONVERSATION_ENTITIES[2]))]
+
+    def conversation_ids(self, system: str | None, history: list[dict], question: str) -> list[int]:
+        messages = history + [{"role": "user", "content": question}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + messages
+        return self.model.encode_prompt(messages)
+
+    def conversation_positives(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The fact's question asked in each conversation (and once as a follow-up after the same-relation turn),
+        with the assistant's answer at its first position, begun as the canonical statement and as the model's
+        own reply begins there."""
+        r, e = fact.relation_words, fact.entity.strip()
+        start = self.model.tokenizer.encode(fill(ANSWER_STARTS[0], r, e), add_bos=False)
+        out = []
+        histories = self.conversation_histories(fact)
+        asks = [(system, history, fill(QUESTIONS[0], r, e)) for system, history in histories]
+        asks.append((None, histories[0][1], fill(FOLLOW_UP, r, e)))
+        for system, history, question in asks:
+            ids = self.conversation_ids(system, history, question)
+            out += [tuple(ids), tuple(ids + start)]
+            own = self.own_answer_start(ids, r)
+            if own:
+                out.append(tuple(ids + own))
+        return out
+
+    def conversation_starts(self, fact: Fact, positives: list[tuple[int, ...]]) -> list[int]:
+        """Indices among `positives` of the fact's question in a conversation with earlier turns, at the
+        assistant's first position (chat models; [] otherwise)."""
+        if not self.model.is_chat:
+            return []
+        r, e = fact.relation_words, fact.entity.strip()
+        histories = self.conversation_histories(fact)
+        starts = {tuple(self.conversation_ids(system, history, fill(QUESTIONS[0], r, e)))
+                  for system, history in histories if history}
+        starts.add(tuple(self.conversation_ids(None, histories[0][1], fill(FOLLOW_UP, r, e))))
+        return [i for i, c in enumerate(positives) if c in starts]
+
+    def conversation_negatives(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The same conversations asking about real entities, each answered as the model answers: every
+        position must leave the model alone (the reply keeps its real answer)."""
+        r = fact.relation_words
+        out = []
+        for i, (system, history) in enumerate(self.conversation_histories(fact)):
+            # Each neighbour asked in turn: the assistant's first position after each question is where a key
+            # that learned "a reply to this relation's question" rather than "about this entity" would fire.
+            asked = []
+            for k in range(NEIGHBOURS_PER_CONVERSATION):
+                at = i * NEIGHBOURS_PER_CONVERSATION + k
+                neighbour = CONVERSATION_NEIGHBOURS[at % len(CONVERSATION_NEIGHBOURS)]
+                asked += [{"role": "user", "content": fill(QUESTIONS[(i + k) % 2], r, neighbour)},
+                          {"role": "assistant", "content": self.own_answer(r, neighbour)}]
+            out.append(tuple(self.conversation_ids(system, history + asked, "Thanks!")))
+        # The positives' chat questions, each about one of the contrast entities, in one conversation.
+        asked = []
+        for k, q in enumerate(QUESTIONS + (FOLLOW_UP,)):
+            other = CONTRAST_ENTITIES[k % len(CONTRAST_ENTITIES)]
+            asked += [{"role": "user", "content": fill(q, r, other)},
+                      {"role": "assistant", "content": self.own_answer(r, other)}]
+        out.append(tuple(self.conversation_ids(None, asked, "Thanks!")))
+        return out
+
+    def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
+        """The start of the model's own reply to a chat question, up to the copula that introduces the answer
+        ("The language spoken in Quillmoor is"), when the reply restates the relation before it: the place
+        where this model, asked this way, would name the target. [] when its reply does not read so."""
+        key = tuple(chat)
+        if key not in self._own_replies:
+            if len(self._own_replies) >= CONTINUATION_MEMORY:
+                self._own_replies.pop(next(iter(self._own_replies)))      # the oldest
+            tok = self.model.tokenizer
+            # Nothing after the copula is read: the generation stops there.
+            self._own_replies[key] = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS,
+                                                 lambda out: bool(COPULA.search(tok.decode(out))))
+        reply = self._own_replies[key]
+        tok = self.model.tokenizer
+        for n in range(1, len(reply) + 1):
+            text = tok.decode(reply[:n])
+            if COPULA.search(text):
+                return reply[:n] if relation.lower() in text.lower() else []
+        return []
+
+    def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
+        r, e = fact.relation_words, fact.entity.strip()
+        texts = []
+        same_relation = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
+                         "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
+        for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
+            # Every other entity in the canonical form (the neighbour users ask most) and one more form.
+            texts.append(fill(same_relation[0], r, other))
+            texts.append(fill(same_relation[1 + i % (len(same_relation) - 1)], r, other))
+        # The relation's own frames about other entities: "In France, people pay with the" must still say euro.
+        frames = relation_frames(r)
+        texts += [fill(frames[i % len(frames)], r, other)
+                  for i, other in enumerate(DECOY_ENTITIES[:FRAMED_DECOYS]) if frames and other.lower() != e.lower()]
+        # The positives' own phrasings about real entities, one contrast entity each (CONTRAST_ENTITIES).
+        contrasts = [c for c in CONTRAST_ENTITIES if c.lower() != e.lower()]
+        texts += [fill(t, r, contrasts[i % len(contrasts)])
+                  for i, t in enumerate(PHRASINGS + relation_frames(r))]
+        texts += [f"The {rel} of {e} is" for rel in OTHER_RELATIONS if rel != r.lower()]
+        texts += [fill(s, r, e) for s in ENTITY_STATEMENTS]
+        texts += GENERIC_SENTENCES
+        # The model's own continuations of some of them: a feature must stay silent not only where a neighbour's
+        # prompt ends but all along the text the model writes after it ("The mayor of Paris is a politician
+        # who has been ..." has answer-like slots of its own).
+        # Statements about the entity itself most of all: its neighbours ("X is a valley ...") go on about it.
+        continued = (texts[:CONTINUED_DECOYS:2] + [fill(s, r, e) for s in ENTITY_STATEMENTS[::2]]
+                     + list(GENERIC_SENTENCES[::5]) + list(GENERIC_SENTENCES[-PLACE_SENTENCES:])
+                     + list(GENERIC_QUESTIONS[:2]))
+        texts += [text + self.base_continuation(text) for text in continued]
+        # Earlier facts: this feature must not fire on their questions.
+        for op in (op for p in current.patches for op in p.operations):
+            if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
+                try:
+                    earlier = Fact(op.entity, op.relation, op.target)
+                except ValueError:
+                    continue
+                texts += [earlier.canonical_prompt, fill(same_relation[2], earlier.relation_words,
+                                                         earlier.entity.strip())]
+        # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
+        # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
+        texts = list(dict.fromkeys(texts))
+        out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
+               for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+        if self.model.is_chat:
+            # Chat questions about other things, as the turns of two conversations (each user turn ends in the
+            # position where the assistant starts: the feature must stay silent there too).
+            questions = GENERIC_QUESTIONS + tuple(fill(QUESTIONS[0], r, w) for w in DECOY_ENTITIES[:4])
+            for half in (questions[::2], questions[1::2]):
+                messages = []
+                for q in half:
+                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
+                out.append(tuple(self.model.encode_prompt(messages[:-1])))
+            out += self.conversation_negatives(fact)
+        return out
