@@ -69,8 +69,9 @@ def bench_ffn_cache(model: LoadedModel, layer: int, top_k: int | None, iters: in
     settings = WalkSettings(top_k=top_k)
     n = cfg.n_layers
 
-    def walk(l1: CacheTier | None) -> WalkFfn:
-        return WalkFfn(model.ffn, settings, model_checksum=model.checksum, l1=l1, observers=(CacheStats(n),))
+    def walk(l1: CacheTier | None, stats: CacheStats | None = None) -> WalkFfn:
+        return WalkFfn(model.ffn, settings, model_checksum=model.checksum, l1=l1,
+                       observers=(stats if stats is not None else CacheStats(n),))
 
     rows = []
     baseline = walk(CacheTier("L1", n, TierSettings(enabled=False)))
@@ -89,8 +90,8 @@ def bench_ffn_cache(model: LoadedModel, layer: int, top_k: int | None, iters: in
     warm(layer, x0)
     rows.append(("warm cache (100% hit)", _timed(lambda x: warm(layer, x), [x0] * iters), None))
 
-    rotating = walk(CacheTier("L1", n))
-    stats = rotating.stats[0]
+    stats = CacheStats(n)
+    rotating = walk(CacheTier("L1", n), stats)
     inputs = [residuals[i % len(residuals)] for i in range(iters)]   # the vector timed is the one looked up
     rot_times = _timed(lambda x: rotating(layer, x), inputs)
     snap = stats.snapshot({"L1": [rotating.l1]}, {"L1": True})
