@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, head_nodes, layers_with_ffn,
-                                                 selection_check_nodes, rope_bases)
+                                                 rope_bases, walked_pass_nodes)
 from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
@@ -93,11 +93,7 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     n = cfg.n_layers
     nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
     _rows_as_sequences(inits)
-    for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
-                       ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
-        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
-    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
-    nodes += selection_check_nodes(inits)
+    nodes += walked_pass_nodes(n, inits)
     inputs, outputs = _batched_io(cfg)
     inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
     rows = "nB"

@@ -223,11 +223,7 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     Composed from the layer graphs and the top-K walk graphs the per-layer path runs; the head graph runs after."""
     n = cfg.n_layers
     nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
-    for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
-                       ("residuals", "h_out"), ("selection_weights", "ffn.mask")):
-        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
-    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
-    nodes += selection_check_nodes(inits)
+    nodes += walked_pass_nodes(n, inits)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
@@ -239,6 +235,16 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
                helper.make_tensor_value_info("residuals", FLOAT, [n, cfg.hidden]),
                helper.make_tensor_value_info("settled", TensorProto.BOOL, [n])] + cache_outputs
     return make_model(nodes, inits, inputs, outputs, "walked_decoder")
+
+
+def walked_pass_nodes(n: int, inits: list) -> list:
+    """The walked decoder's outputs gathered from its `n` layers, layer-major: "inputs", "scores", "outputs",
+    "residuals", "selections" (bool) and "settled" (selection_check_nodes)."""
+    nodes = [helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0)
+             for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
+                                ("residuals", "h_out"), ("selection_weights", "ffn.mask"))]
+    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
+    return nodes + selection_check_nodes(inits)
 
 
 def selection_check_nodes(inits: list) -> list:
