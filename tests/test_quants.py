@@ -227,3 +227,26 @@ def test_unmappable_type_raises(models):
         Q.to_matmul_nbits(t)
     with pytest.raises(Q.QuantError, match="cannot dequantise ggml type Q5_1"):
         Q.dequantize(t)
+
+
+@pytest.mark.parametrize("model", MODEL_KEYS)
+def test_head_in_row_slices_equals_one_node(models, model):
+    """The head's weight cut into row slices (to bound onnxruntime's prepacking peak) gives the same logits bit
+    for bit as one node: every output row is its own dot product, over the same blocks."""
+    from larql_desktop.engine.graphs.ffn import linear, row_slices
+    gf = models[model]
+    t = gf.tensors.get("output.weight", gf.tensors["token_embd.weight"])
+    N, K = t.shape
+    w = Q.to_matmul_nbits(t)
+    rows = (N // 3 + 64) // 64 * 64                     # three slices, the last one shorter
+    slice_bytes = w.packed[0].nbytes * rows + 1
+    slices = row_slices(w, slice_bytes)
+    assert [s.N for s in slices] == [rows, rows, N - 2 * rows]
+    np.testing.assert_array_equal(np.concatenate([Q.nbits_dequantize(s) for s in slices]), Q.nbits_dequantize(w))
+
+    x = np.random.default_rng(3).standard_normal((2, K)).astype(np.float32)
+    whole_nodes, whole_inits = linear([t], "x", "y")
+    sliced_nodes, sliced_inits = linear([t], "x", "y", max_node_bytes=slice_bytes)
+    assert sum(n.op_type == "MatMulNBits" for n in sliced_nodes) == 3
+    assert sum(n.op_type == "MatMulNBits" for n in whole_nodes) == 1
+    np.testing.assert_array_equal(_run_ort(sliced_nodes, sliced_inits, x, N), _run_ort(whole_nodes, whole_inits, x, N))

@@ -38,11 +38,16 @@ EXPORT_FORMAT = 5   # bump when the graphs change, so old exports are rebuilt (5
 ACCURACY_LEVEL = 4
 
 
-def linear(tensors, input_name: str, output_name: str):
+def linear(tensors, input_name: str, output_name: str, max_node_bytes: int | None = None):
     """x @ concat(W_i).T for one or more GGUF weights with the same K: one MatMulNBits on the GGUF's own
     blocks when they share a MatMulNBits layout (bits, block size), else one node per weight (a dense MatMul
     for blocks MatMulNBits cannot hold exactly) and a Concat. Fusing weights that read the same input saves
-    a kernel launch and a block-sum offset chain per weight (see quants.make_matmul_nbits_nodes)."""
+    a kernel launch and a block-sum offset chain per weight (see quants.make_matmul_nbits_nodes).
+
+    `max_node_bytes`: split a MatMulNBits weight whose codes are larger into row slices of at most that size,
+    one node each, and concatenate their outputs (bit for bit the same: every output row is its own dot
+    product). onnxruntime holds a weight's stored and prepacked copies together while it prepacks it, so
+    one big weight (a head over the vocabulary) raises the process's peak memory by its whole size."""
     try:
         ws = [to_matmul_nbits(t) for t in tensors]
     except QuantError:
@@ -53,13 +58,16 @@ def linear(tensors, input_name: str, output_name: str):
             bits=w0.bits, block_size=w0.block_size, N=sum(w.N for w in ws), K=w0.K,
             packed=np.concatenate([w.packed for w in ws]), scales=np.concatenate([w.scales for w in ws]),
             zero_points=np.concatenate([w.zero_points for w in ws]))
-        return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
-                                       accuracy_level=ACCURACY_LEVEL)
+        slices = row_slices(w, max_node_bytes) if max_node_bytes else [w]
+        if len(slices) == 1:
+            return make_matmul_nbits_nodes(w, input_name, output_name, prefix=output_name,
+                                           accuracy_level=ACCURACY_LEVEL)
+        ws, tensors = slices, slices
     nodes, inits, parts = [], [], []
     for i, t in enumerate(tensors):
         part = f"{output_name}_part{i}"
         try:
-            w = to_matmul_nbits(t)
+            w = t if isinstance(t, NBitsWeight) else to_matmul_nbits(t)
             n, ini = make_matmul_nbits_nodes(w, input_name, part, prefix=part, accuracy_level=ACCURACY_LEVEL)
         except QuantError:
             wt = numpy_helper.from_array(np.ascontiguousarray(dequantize(t).T), part + "_Wt")
@@ -72,6 +80,23 @@ def linear(tensors, input_name: str, output_name: str):
     else:
         nodes.append(helper.make_node("Concat", parts, [output_name], axis=-1))
     return nodes, inits
+
+
+# MatMulNBits computes output rows in tiles; a slice that starts on a tile boundary gets the same tiles, so the
+# same rounding, as the whole weight (a slice of 16,389 rows changed 5 of 98,304 SmolLM2 logits by 2e-6).
+SLICE_ROW_MULTIPLE = 64
+
+
+def row_slices(w: NBitsWeight, max_bytes: int) -> list[NBitsWeight]:
+    """`w` cut into consecutive row ranges whose packed codes hold at most `max_bytes` each, each a multiple of
+    SLICE_ROW_MULTIPLE rows (but the last)."""
+    row_bytes = w.packed[0].nbytes
+    rows = max(SLICE_ROW_MULTIPLE, max_bytes // row_bytes // SLICE_ROW_MULTIPLE * SLICE_ROW_MULTIPLE)
+    kb = w.k_blocks
+    return [NBitsWeight(bits=w.bits, block_size=w.block_size, N=min(w.N, lo + rows) - lo, K=w.K,
+                        packed=w.packed[lo:lo + rows], scales=w.scales[lo * kb:(lo + rows) * kb],
+                        zero_points=w.zero_points[lo * kb:(lo + rows) * kb])
+            for lo in range(0, w.N, rows)]
 
 
 _model = make_model
