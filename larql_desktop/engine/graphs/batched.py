@@ -17,6 +17,9 @@ keys come from its own seqlens_k (past keys 0..seqlens_k[b], the sliding window 
 The batched walked decoder is graphs/decoder.py's walked decoder so batched (the top-K walk at every layer, K one
 input for all rows): its per-layer outputs come layer-major, (n_layers * B, ...), row b of layer i at i * B + b;
 `run_walked` hands back one decoder.WalkedPass per row, which the walk settles as it settles a single step.
+The batched served and replay decoders are graphs/decoder.py's served and replay decoders so batched: the served
+FFN outputs (and the served decoder's guessed selections) come in layer-major too, (n_layers * B, ...), each row
+its own plan's; `run_served` and `run_replay` hand back one decoder.ServedPass / ReplayPass per row.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.formats.gguf import GgufFile
-from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, head_nodes, layers_with_ffn,
-                                                 rope_bases, walked_pass_nodes)
+from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPass, ServedPass, WalkedPass,
+                                                 head_nodes, layers_with_ffn, replay_pass_nodes, rope_bases,
+                                                 served_pass_nodes, walked_pass_nodes)
 from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
@@ -39,6 +43,8 @@ BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
 MANIFEST = "batched.manifest.json"
 FILE = "decoder.batched.onnx"
 WALKED_FILE = "decoder.batched_walked.onnx"
+SERVED_FILE = "decoder.batched_served.onnx"
+REPLAY_FILE = "decoder.batched_replay.onnx"
 FLOAT = TensorProto.FLOAT
 # The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
 _SEQUENCE_SHAPE = "_3d_shape"
@@ -106,6 +112,41 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     return make_model(nodes, inits, inputs, outputs, "batched_walked_decoder")
 
 
+def build_batched_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The served decoder (graphs/decoder.py) over B rows: inputs "served" (n * B, d) and "selections" (n * B, F),
+    outputs "inputs", "scores", "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
+    nodes, inits = served_pass_nodes(gguf, cfg)
+    _rows_as_sequences(inits)
+    inputs, outputs = _batched_io(cfg)
+    rows = "nB"
+    inputs += [helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]),
+               helper.make_tensor_value_info("selections", TensorProto.BOOL, [rows, cfg.intermediate])]
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("scores", FLOAT, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("settled", TensorProto.BOOL, [rows])]
+    return make_model(nodes, inits, inputs, outputs, "batched_served_decoder")
+
+
+def build_batched_replay_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The replay decoder (graphs/decoder.py) over B rows: input "served" (n * B, d), outputs "inputs" and
+    "residuals" (n * B, d), layer-major."""
+    nodes, inits = replay_pass_nodes(gguf, cfg)
+    _rows_as_sequences(inits)
+    inputs, outputs = _batched_io(cfg)
+    rows = "nB"
+    inputs.append(helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]))
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden])]
+    return make_model(nodes, inits, inputs, outputs, "batched_replay_decoder")
+
+
+def _per_row(arrays: dict[str, np.ndarray], n: int, B: int) -> list[dict[str, np.ndarray]]:
+    """Layer-major outputs (n * B, ...) as each row's (n, ...) arrays."""
+    by_row = {name: array.reshape(n, B, *array.shape[1:]) for name, array in arrays.items()}
+    return [{name: np.ascontiguousarray(array[:, b]) for name, array in by_row.items()} for b in range(B)]
+
+
 class OnnxBatchedDecoder:
     """The batched dense decoder of one model: exported beside the other decoders on first use (its own manifest),
     its session made on first use. Not thread-safe per thread of use: one caller steps a batch at a time."""
@@ -120,15 +161,26 @@ class OnnxBatchedDecoder:
         build_walked = partial(build_batched_walked_decoder_graph, gguf, config)
         store.ensure(WALKED_FILE, build_walked, "Exporting the batched walked decoder graph to ONNX", 0.5,
                      optimized=True)
+        build_served = partial(build_batched_served_decoder_graph, gguf, config)
+        store.ensure(SERVED_FILE, build_served, "Exporting the batched served decoder graph to ONNX", 0.7,
+                     optimized=True)
+        build_replay = partial(build_batched_replay_decoder_graph, gguf, config)
+        store.ensure(REPLAY_FILE, build_replay, "Exporting the batched replay decoder graph to ONNX", 0.85,
+                     optimized=True)
         store.save()
         opts = partial(session_options, threads, spinning=True)
         self._sessions = {"dense": LazySessions(store, [(FILE, build)], opts, optimized=True),
-                          "walked": LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True)}
+                          "walked": LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True),
+                          "served": LazySessions(store, [(SERVED_FILE, build_served)], opts, optimized=True),
+                          "replay": LazySessions(store, [(REPLAY_FILE, build_replay)], opts, optimized=True)}
         self._local = threading.local()
         self._zeros = ZeroRows(config.hidden)
 
     def load_session(self, walk: bool = False) -> None:
-        self._sessions["walked" if walk else "dense"].load_all(None, "Loading the batched decoder graph")
+        """Make the dense decoder's session now, or with `walk` the walked, served and replay decoders' (what a
+        walk's decode steps run)."""
+        for kind in ("walked", "served", "replay") if walk else ("dense",):
+            self._sessions[kind].load_all(None, "Loading the batched decoder graph")
 
     def run(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
             rope) -> np.ndarray:
@@ -156,9 +208,45 @@ class OnnxBatchedDecoder:
         for name, array in arrays.items():
             binding.bind_output(name, array)
         binding.run()
-        by_row = {name: array.reshape(n, B, *array.shape[1:]) for name, array in arrays.items()}
-        return [WalkedPass(**{name: np.ascontiguousarray(array[:, b]) for name, array in by_row.items()})
-                for b in range(B)]
+        return [WalkedPass(**row) for row in _per_row(arrays, n, B)]
+
+    def run_served(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                   rope, served: np.ndarray, selections: np.ndarray) -> list[ServedPass]:
+        """As `run` with every layer's FFN output given: served (n * B, d) and the guessed selections
+        (n * B, F) bool, layer-major (row b of layer i at i * B + b); what each row computed (one ServedPass per
+        row)."""
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        self._check_layer_major(served, n * B)
+        binding = self._bind("served", h, positions, keys, values, rope)
+        binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        binding.bind_input("selections", np.ascontiguousarray(selections, dtype=bool))
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "scores": np.empty((n * B, cfg.intermediate), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32),
+                  "settled": np.empty(n * B, bool)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        return [ServedPass(**row) for row in _per_row(arrays, n, B)]
+
+    def run_replay(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                   rope, served: np.ndarray) -> list[ReplayPass]:
+        """As `run_served` without the gate (no selections, no scores): one ReplayPass per row."""
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        self._check_layer_major(served, n * B)
+        binding = self._bind("replay", h, positions, keys, values, rope)
+        binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        return [ReplayPass(**row) for row in _per_row(arrays, n, B)]
+
+    def _check_layer_major(self, served: np.ndarray, rows: int) -> None:
+        if served.shape != (rows, self.config.hidden):
+            raise ValueError(f"served outputs of shape {served.shape}, not ({rows}, {self.config.hidden}): one row "
+                             "per layer and batch row, layer-major")
 
     def _bind(self, kind: str, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray],
               values: list[np.ndarray], rope) -> Binding:
