@@ -230,11 +230,12 @@ def test_walk_replies_served_from_a_warm_cache_decode_together_and_equal_the_rep
         for got, want in zip(together, solo):        # bit-identical logits: the same log probabilities
             assert [t.logprob for t in got.choices[0].logprobs.content] == \
                 [t.logprob for t in want.choices[0].logprobs.content]
-        # Warm steps decoded together (the served and replay decoders' batched calls held several rows each),
-        # and so did the new questions' walked steps beside them.
+        # Warm steps decoded together (the batched calls that held served or replayed rows held several each),
+        # and so did the new questions' walked steps, in the same calls (the mixed decoder) where they met.
         for kinds in (("served", "replay"), ("walked",)):
             steps, rows = _rows_per_step(after, before, kinds)
             assert rows > steps > 0, (kinds, after["by_kind"])
+        assert after["mixed_steps"] > before["mixed_steps"]
         assert all(r.larql_cache["hits"]["L2"] > 0 for r in together[:warm])       # type: ignore[attr-defined]
         # Each request's larql_cache counts stay exact: together they are what the engine counted.
         summed: dict = {}

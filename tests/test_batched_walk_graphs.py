@@ -100,3 +100,41 @@ def test_the_batched_served_decoder_refuses_outputs_not_one_per_layer_and_row(sm
     with pytest.raises(ValueError, match="one row per layer and batch row, layer-major"):
         batched.run_replay(np.zeros((2, cfg.hidden), np.float32), np.array([1, 2]), keys, keys,
                            smollm2.transformer.rope, np.zeros((cfg.n_layers, cfg.hidden), np.float32))
+
+
+def test_the_mixed_decoder_computes_walked_rows_as_the_walked_decoder_and_given_rows_as_the_served_one(model):
+    cfg, transformer = model.config, model.transformer
+    single, batched = transformer.decoder, decode_batch(model, 4).decoder
+    rows = _rows(model)
+    B, n, k = len(rows), cfg.n_layers, 64
+    h = transformer.embed(np.array([token for _, token in rows]))
+    given = np.array([False, True, False])           # the long row's outputs given (its own walked step's)
+    plan = single.run_walked(h[1:2], rows[1][0].length, _copy(model, rows[1][0]), transformer.rope, k)
+    served = np.zeros((n, B, cfg.hidden), np.float32)
+    selections = np.zeros((n, B, cfg.intermediate), bool)
+    served[:, 1], selections[:, 1] = plan.outputs, plan.selections
+    positions = np.array([kv.length for kv, _ in rows], np.int64)
+    capacity = int(positions.max()) + 2
+    pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
+    pool_values = [np.zeros_like(x) for x in pool_keys]
+    for b, (kv, _) in enumerate(rows):
+        for i in range(n):
+            pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
+            pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+    together = batched.run_mixed(h, positions, pool_keys, pool_values, transformer.rope, k,
+                                 ["served" if g else "walked" for g in given], served.reshape(n * B, -1),
+                                 selections.reshape(n * B, -1))
+    for b, (kv, _) in enumerate(rows):
+        own = _copy(model, kv)
+        if given[b]:
+            alone = single.run_served(h[b:b + 1], kv.length, own, transformer.rope, plan.outputs, plan.selections)
+            fields = ("inputs", "scores", "residuals", "settled")
+        else:
+            alone = single.run_walked(h[b:b + 1], kv.length, own, transformer.rope, k)
+            fields = ("inputs", "scores", "selections", "outputs", "residuals", "settled")
+        for field in fields:
+            assert np.array_equal(getattr(together[b], field), getattr(alone, field)), (b, field)
+        for i in range(n):
+            assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
+            assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+    assert together[1].settled.all()                 # its walked step's own selections: the scores' top K

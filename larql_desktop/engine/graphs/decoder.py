@@ -265,6 +265,40 @@ def walked_pass_nodes(n: int, inits: list) -> list:
     return nodes + selection_check_nodes(inits)
 
 
+def mixed_pass_nodes(gguf: GgufFile, cfg: ModelConfig) -> tuple[list, list]:
+    """The walked and the served decoder in one graph, row by row (graphs/batched.py's mixed decoder): every layer
+    gated (its "scores" as the served decoder's) and followed by the top-K walk graph (as the walked decoder's);
+    where the input "given" (rows, 1) is true, the layer's FFN output is the row's part of "served" (layer-major,
+    as served_pass_nodes reads it) and its scores and selection the gated layer's and the row's part of the input
+    "selections_in" (layer-major too), elsewhere the walk's. Gathered as walked_pass_nodes gathers them:
+    "inputs", "scores", "selections", "outputs", "residuals", "settled"."""
+    n = cfg.n_layers
+    nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n),
+             helper.make_node("Split", ["selections_in"], [f"guessed{i}" for i in range(n)], axis=0, num_outputs=n)]
+    inits: list = []
+    for i in range(n):
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=True)
+        nodes += more_nodes
+        inits += more_inits
+        edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.walk_out", "k": "k"}
+        more_nodes, more_inits = _renamed(build_walk_top_k_graph(gguf, cfg, i).graph,
+                                          lambda name, edges=edges, i=i: edges.get(name, f"l{i}.ffn.{name}"))
+        nodes += more_nodes
+        inits += more_inits
+        nodes += [helper.make_node("Where", ["given", f"served{i}", f"l{i}.walk_out"], [f"l{i}.ffn_out"]),
+                  helper.make_node("Where", ["given", f"l{i}.scores", f"l{i}.ffn.scores"], [f"l{i}.mixed_scores"]),
+                  # (Where takes no bool tensors on the CPU: the selections are chosen as the walk's mask weights)
+                  helper.make_node("Cast", [f"guessed{i}"], [f"l{i}.guessed_weights"], to=TensorProto.FLOAT),
+                  helper.make_node("Where", ["given", f"l{i}.guessed_weights", f"l{i}.ffn.mask"],
+                                   [f"l{i}.mixed_selection"])]
+    nodes += [helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0)
+              for name, part in (("inputs", "x_ffn"), ("scores", "mixed_scores"), ("outputs", "ffn_out"),
+                                 ("residuals", "h_out"), ("selection_weights", "mixed_selection"))]
+    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
+    nodes += selection_check_nodes(inits)
+    return nodes, inits
+
+
 def selection_check_nodes(inits: list) -> list:
     """"settled" (n,): per layer, whether the guessed selection ("selections", (n, F) bool) is exactly the top
     |selection| features of the layer's scores by magnitude with no tie at the boundary (its weakest selected

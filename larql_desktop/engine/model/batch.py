@@ -69,6 +69,7 @@ class BatchStats:
     row_steps: int          # tokens they computed (rows summed over steps)
     solo_steps: int         # decoder calls rows handed in but ran on their own (alone of their kind in a step)
     by_kind: dict           # per kind of call ("dense", "walked", "served", "replay"): {"steps", "row_steps"}
+    mixed_steps: int        # batched calls that held walked rows and served or replayed ones
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "by_kind": {kind: dict(counts) for kind, counts in self.by_kind.items()}}
@@ -187,7 +188,7 @@ class DecodeBatch(Generic[T]):
         # layer redone) would only contend for the same cores.
         self.compute_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_rows, thread_name_prefix="larql-batch-row")
-        self._joined = self._left = self._steps = self._row_steps = self._solo = 0
+        self._joined = self._left = self._steps = self._row_steps = self._solo = self._mixed = 0
         self._by_kind: dict[str, dict[str, int]] = {}
 
     # -- membership ----------------------------------------------------------------------------------------
@@ -310,9 +311,10 @@ class DecodeBatch(Generic[T]):
             for r in waiting:
                 assert r.handed_kind is not None
                 groups.setdefault(r.handed_kind, []).append(r)
-            # One batched call per kind of call; a call alone of its kind beside a larger group runs on its own
-            # (after the batched calls: those write only a discarded row past its length).
-            ordered = sorted(groups.items(), key=lambda group: -len(group[1]))
+            # One batched call per kind of call (walked rows and served or replayed ones share one); a call alone
+            # of its kind beside a larger group runs on its own (after the batched calls: those write only a
+            # discarded row past its length).
+            ordered = sorted(self._calls(groups), key=lambda group: -len(group[1]))
             batched = [(kind, members) for i, (kind, members) in enumerate(ordered) if i == 0 or len(members) > 1]
             for kind, members in batched:
                 try:
@@ -331,6 +333,19 @@ class DecodeBatch(Generic[T]):
                 raised = f.exception()
                 results[r] = raised if raised is not None else f.result()
             return results
+
+    @staticmethod
+    def _calls(groups: dict[tuple, list[BatchRow]]) -> list[tuple[tuple, list[BatchRow]]]:
+        """The batched calls for the rows' calls grouped by kind: one per kind, except that the served and
+        replayed rows join the largest group of walked rows in one call of the mixed decoder ("mixed", K)."""
+        given = groups.get(("served",), []) + groups.get(("replay",), [])
+        walked = [kind for kind in groups if kind[0] == "walked"]
+        if not (given and walked):
+            return list(groups.items())
+        host = max(walked, key=lambda kind: len(groups[kind]))     # the first of the largest
+        calls = [(kind, members) for kind, members in groups.items()
+                 if kind not in (host, ("served",), ("replay",))]
+        return calls + [(("mixed", host[1]), groups[host] + given)]
 
     def _run(self, rows: list[BatchRow], kind: tuple, members: list[BatchRow]) -> None:
         """One batched decoder call of `kind` for `members` over the pool's rows up to the last of them (the rows
@@ -354,6 +369,16 @@ class DecodeBatch(Generic[T]):
             if kind[0] == "walked":
                 passes = self.decoder.run_walked(h, positions, keys, values, rope, kind[1])
                 last = [passes[r.index].outputs[-1] for r in members]
+            elif kind[0] == "mixed":
+                kinds = ["walked"] * n        # what each row's pass is handed back as (the rows not in it: unread)
+                for r in members:
+                    assert r.handed_kind is not None
+                    kinds[r.index] = r.handed_kind[0]
+                served = self._layer_major(n, members, "handed_served", cfg.hidden, np.float32)
+                selections = self._layer_major(n, members, "handed_selections", cfg.intermediate, bool)
+                passes = self.decoder.run_mixed(h, positions, keys, values, rope, kind[1], kinds, served, selections)
+                last = [r.handed_served[-1] if r.handed_served is not None else passes[r.index].outputs[-1]
+                        for r in members]
             else:
                 served = self._layer_major(n, members, "handed_served", cfg.hidden, np.float32)
                 if kind[0] == "served":
@@ -371,9 +396,12 @@ class DecodeBatch(Generic[T]):
         with self._handed:
             self._steps += 1
             self._row_steps += len(members)
-            counts = self._by_kind.setdefault(kind[0], {"steps": 0, "row_steps": 0})
-            counts["steps"] += 1
-            counts["row_steps"] += len(members)
+            member_kinds = [r.handed_kind[0] for r in members if r.handed_kind is not None]
+            for name in set(member_kinds):
+                counts = self._by_kind.setdefault(name, {"steps": 0, "row_steps": 0})
+                counts["steps"] += 1
+                counts["row_steps"] += member_kinds.count(name)
+            self._mixed += int(len(set(member_kinds)) > 1)
 
     def _layer_major(self, n: int, members: list[BatchRow], name: str, width: int, dtype) -> np.ndarray:
         """The members' handed-in per-layer rows (n_layers, width) as one (n_layers * n, width) array, row b of
@@ -386,14 +414,14 @@ class DecodeBatch(Generic[T]):
         return out.reshape(-1, width)
 
     def load_session(self, walk: bool) -> None:
-        """Make the batched graph's session now (the walked one with `walk`), not at the first batched step."""
+        """Make the batched graphs' sessions now (the walk's with `walk`), not at the first batched step."""
         self.decoder.load_session(walk)
 
     def stats(self) -> BatchStats:
         with self._handed:
             return BatchStats(self.max_rows, len(self._rows), self._capacity, self._joined, self._left,
                               self._steps, self._row_steps, self._solo,
-                              {kind: dict(counts) for kind, counts in self._by_kind.items()})
+                              {kind: dict(counts) for kind, counts in self._by_kind.items()}, self._mixed)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)
