@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.completions import decode_batch
+from larql_desktop.engine.graphs.decoder import ReplayPass, ServedPass
 from larql_desktop.engine.model.transformer import KvCache
 
 TEXTS = ["The capital of France is", "A spider has eight legs and spins webs of silk. ",
@@ -62,20 +63,24 @@ def test_batched_served_and_replay_rows_equal_the_single_decoders_bit_for_bit(mo
     served = np.stack([outputs for outputs, _ in plans], axis=1).reshape(n * B, cfg.hidden)       # layer-major
     selections = np.stack([chosen for _, chosen in plans], axis=1).reshape(n * B, cfg.intermediate)
 
-    for kind in ("served", "replay"):
+    # "both": the served decoder's call with row 1 replayed (a step whose rows want both runs them in one call).
+    for call in ("served", "replay", "both"):
         pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
         pool_values = [np.zeros_like(k) for k in pool_keys]
         for b, (kv, _) in enumerate(rows):
             for i in range(n):
                 pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
                 pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
-        if kind == "served":
-            together = batched.run_served(h, positions, pool_keys, pool_values, transformer.rope, served, selections)
+        if call != "replay":
+            together = batched.run_served(h, positions, pool_keys, pool_values, transformer.rope, served, selections,
+                                          [call == "both" and b == 1 for b in range(B)])
         else:
             together = batched.run_replay(h, positions, pool_keys, pool_values, transformer.rope, served)
         head = transformer.graphs.run_head(np.stack([p.residuals[-1] for p in together]),
                                            np.stack([outputs[-1] for outputs, _ in plans]))
         for b, ((kv, token), (outputs, chosen)) in enumerate(zip(rows, plans)):
+            kind = "replay" if call == "replay" or (call == "both" and b == 1) else "served"
+            assert isinstance(together[b], ReplayPass if kind == "replay" else ServedPass)
             own = _copy(model, kv)
             alone = (single.run_served(h[b:b + 1], kv.length, own, transformer.rope, outputs, chosen)
                      if kind == "served" else
@@ -90,16 +95,21 @@ def test_batched_served_and_replay_rows_equal_the_single_decoders_bit_for_bit(mo
                 assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
                 assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
             logits = transformer.graphs.run_head(alone.residuals[-1:], outputs[-1:])
-            assert np.array_equal(head[b:b + 1], logits), (kind, b)
+            assert np.array_equal(head[b:b + 1], logits), (call, b)
 
 
-def test_the_batched_served_decoder_refuses_outputs_not_one_per_layer_and_row(smollm2):
+def test_the_batched_decoders_refuse_outputs_not_one_per_layer_and_row_and_unknown_kinds(smollm2):
     cfg = smollm2.config
     batched = decode_batch(smollm2, 2).decoder
     keys = [np.zeros((2, cfg.n_kv_heads, 8, cfg.head_dim), np.float32) for _ in range(cfg.n_layers)]
     with pytest.raises(ValueError, match="one row per layer and batch row, layer-major"):
         batched.run_replay(np.zeros((2, cfg.hidden), np.float32), np.array([1, 2]), keys, keys,
                            smollm2.transformer.rope, np.zeros((cfg.n_layers, cfg.hidden), np.float32))
+    served = np.zeros((2 * cfg.n_layers, cfg.hidden), np.float32)
+    with pytest.raises(ValueError, match=r"one kind per row \(walked, served or replay\) for 2 rows"):
+        batched.run_mixed(np.zeros((2, cfg.hidden), np.float32), np.array([1, 2]), keys, keys,
+                          smollm2.transformer.rope, 64, ["dense", "walked"], served,
+                          np.zeros((2 * cfg.n_layers, cfg.intermediate), bool))
 
 
 def test_the_mixed_decoder_computes_walked_rows_as_the_walked_decoder_and_given_rows_as_the_served_one(model):

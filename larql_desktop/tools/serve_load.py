@@ -157,10 +157,11 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) 
             row["batched_steps"] = steps
             row["rows_per_batched_step"] = round((after["row_steps"] - before["row_steps"]) / steps, 2) if steps \
                 else None
-            # By kind of call (dense, walked, and the walk's served and replayed steps), and the calls that ran
-            # alone of their kind in a step.
+            # By kind of call (dense, walked, and the walk's served and replayed steps; a call holding walked and
+            # served rows counts for each), the calls that ran alone of their kind in a step, and the mixed calls.
             row["rows_per_batched_step_by_kind"] = _per_kind(before.get("by_kind") or {}, after.get("by_kind") or {})
             row["solo_steps"] = after.get("solo_steps", 0) - before.get("solo_steps", 0)
+            row["mixed_steps"] = after.get("mixed_steps", 0) - before.get("mixed_steps", 0)
         out.append(row)
     base = out[0]["tok_per_s"] if out and out[0]["clients"] == 1 else None
     for row in out:

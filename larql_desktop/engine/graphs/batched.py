@@ -239,10 +239,12 @@ class OnnxBatchedDecoder:
         return [WalkedPass(**row) for row in _per_row(arrays, n, B)]
 
     def run_served(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
-                   rope, served: np.ndarray, selections: np.ndarray) -> list[ServedPass]:
+                   rope, served: np.ndarray, selections: np.ndarray, replayed: Sequence[bool] = ()
+                   ) -> list[ServedPass | ReplayPass]:
         """As `run` with every layer's FFN output given: served (n * B, d) and the guessed selections
         (n * B, F) bool, layer-major (row b of layer i at i * B + b); what each row computed (one ServedPass per
-        row)."""
+        row, or for the rows `replayed` names, what `run_replay` computes for them: the same inputs and
+        residuals, the gate aside)."""
         cfg, B, n = self.config, h.shape[0], self.config.n_layers
         self._check_layer_major(served, n * B)
         binding = self._bind("served", h, positions, keys, values, rope)
@@ -255,7 +257,9 @@ class OnnxBatchedDecoder:
         for name, array in arrays.items():
             binding.bind_output(name, array)
         binding.run()
-        return [ServedPass(**row) for row in _per_row(arrays, n, B)]
+        replayed = list(replayed) or [False] * B
+        return [ReplayPass(row["inputs"], row["residuals"]) if replay else ServedPass(**row)
+                for replay, row in zip(replayed, _per_row(arrays, n, B))]
 
     def run_replay(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
                    rope, served: np.ndarray) -> list[ReplayPass]:

@@ -337,11 +337,15 @@ class DecodeBatch(Generic[T]):
     @staticmethod
     def _calls(groups: dict[tuple, list[BatchRow]]) -> list[tuple[tuple, list[BatchRow]]]:
         """The batched calls for the rows' calls grouped by kind: one per kind, except that the served and
-        replayed rows join the largest group of walked rows in one call of the mixed decoder ("mixed", K)."""
+        replayed rows join the largest group of walked rows in one call of the mixed decoder ("mixed", K), or
+        without walked rows share one call of the served decoder."""
         given = groups.get(("served",), []) + groups.get(("replay",), [])
         walked = [kind for kind in groups if kind[0] == "walked"]
-        if not (given and walked):
-            return list(groups.items())
+        if not walked:
+            if ("served",) not in groups or ("replay",) not in groups:
+                return list(groups.items())
+            return [(kind, members) for kind, members in groups.items() if kind[0] not in ("served", "replay")] + \
+                [(("served",), given)]
         host = max(walked, key=lambda kind: len(groups[kind]))     # the first of the largest
         calls = [(kind, members) for kind, members in groups.items()
                  if kind not in (host, ("served",), ("replay",))]
@@ -381,9 +385,12 @@ class DecodeBatch(Generic[T]):
                         for r in members]
             else:
                 served = self._layer_major(n, members, "handed_served", cfg.hidden, np.float32)
-                if kind[0] == "served":
+                if kind[0] == "served":        # replayed rows among them take the served decoder's inputs
                     selections = self._layer_major(n, members, "handed_selections", cfg.intermediate, bool)
-                    passes = self.decoder.run_served(h, positions, keys, values, rope, served, selections)
+                    replayed = [False] * n
+                    for r in members:
+                        replayed[r.index] = r.handed_kind == ("replay",)
+                    passes = self.decoder.run_served(h, positions, keys, values, rope, served, selections, replayed)
                 else:
                     passes = self.decoder.run_replay(h, positions, keys, values, rope, served)
                 last = [served[(cfg.n_layers - 1) * n + r.index] for r in members]
