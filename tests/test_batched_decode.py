@@ -248,3 +248,33 @@ def test_walk_replies_served_from_a_warm_cache_decode_together_and_equal_the_rep
     finally:
         batched.stop()
         alone.stop()
+
+
+def test_gemma_walk_completions_warm_and_cold_past_the_window_decode_together_as_alone(gemma3):
+    # Gemma 3's walk with L1/L2, one prompt longer than its sliding window: two completions asked alone first are
+    # replayed or served from the cache beside two new ones walked, in batched calls, each as it is alone.
+    engine = LarqlEngine(gemma3, walk=WalkSettings())
+    batched = start_server(engine, "127.0.0.1", 0)
+    alone = start_server(engine, "127.0.0.1", 0, batch_rows=0)
+    long_prompt = "The river flows past the old mill and under the stone bridge. " * 60 + "Then the river"
+    assert len(gemma3.tokenizer.encode(long_prompt)) > gemma3.config.sliding_window
+    prompts = [long_prompt, "The capital of France is", "Once upon a time, a spider", "def fibonacci(n):"]
+    warm = 2
+    try:
+        def complete(handle, i: int):
+            return _client(handle).completions.create(model=gemma3.name, prompt=prompts[i], max_tokens=16,
+                                                      temperature=0, logprobs=1)
+        solo = [complete(alone, i) for i in range(warm)]
+        before = _batch(batched)
+        together = _concurrently(len(prompts), lambda i: complete(batched, i))
+        after = _batch(batched)
+        solo += [complete(alone, i) for i in range(warm, len(prompts))]
+        assert [r.choices[0].text for r in together] == [r.choices[0].text for r in solo]
+        for got, want in zip(together, solo):
+            assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+        assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"] > 0
+        assert _rows_per_step(after, before, ("served", "replay"))[1] > 0      # the warm ones' steps were batched
+        assert after["solo_steps"] - before["solo_steps"] < after["row_steps"] - before["row_steps"]
+    finally:
+        batched.stop()
+        alone.stop()
