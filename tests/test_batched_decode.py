@@ -1,8 +1,9 @@
 """Batched decode (engine/model/batch.py, graphs/batched.py) through a real server on loopback and the real `openai`
 client: concurrent greedy replies decode together in one forward pass per step and equal the same replies decoded
 alone (one at a time, the single-path decoder), with the dense FFN and with the walk and its cache (whose stores
-made in a batch then serve the replies alone, and whose per-request counts stay exact); a client that goes away
-frees its batch row."""
+made in a batch then serve the replies alone, and whose per-request counts stay exact; a warm cache's served and
+replayed steps are batched too, beside walked ones in one mixed call); a client that goes away frees its batch
+row."""
 from __future__ import annotations
 
 import threading
