@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.completions import decode_batch
-from larql_desktop.engine.graphs.decoder import ReplayPass, ServedPass
+from larql_desktop.engine.graphs.decoder import ReplayPass, ServedPass, WalkedPass
 from larql_desktop.engine.model.transformer import KvCache
 
 TEXTS = ["The capital of France is", "A spider has eight legs and spins webs of silk. ",
@@ -112,17 +112,19 @@ def test_the_batched_decoders_refuse_outputs_not_one_per_layer_and_row_and_unkno
                           np.zeros((2 * cfg.n_layers, cfg.intermediate), bool))
 
 
-def test_the_mixed_decoder_computes_walked_rows_as_the_walked_decoder_and_given_rows_as_the_served_one(model):
+def test_the_mixed_decoder_computes_each_row_as_the_decoder_of_its_kind(model):
     cfg, transformer = model.config, model.transformer
     single, batched = transformer.decoder, decode_batch(model, 4).decoder
     rows = _rows(model)
     B, n, k = len(rows), cfg.n_layers, 64
     h = transformer.embed(np.array([token for _, token in rows]))
-    given = np.array([False, True, False])           # the long row's outputs given (its own walked step's)
-    plan = single.run_walked(h[1:2], rows[1][0].length, _copy(model, rows[1][0]), transformer.rope, k)
+    kinds = ["walked", "served", "replay"]           # the long row served, the last replayed, their own plans
     served = np.zeros((n, B, cfg.hidden), np.float32)
     selections = np.zeros((n, B, cfg.intermediate), bool)
-    served[:, 1], selections[:, 1] = plan.outputs, plan.selections
+    plans = {}
+    for b in (1, 2):
+        plans[b] = single.run_walked(h[b:b + 1], rows[b][0].length, _copy(model, rows[b][0]), transformer.rope, k)
+        served[:, b], selections[:, b] = plans[b].outputs, plans[b].selections
     positions = np.array([kv.length for kv, _ in rows], np.int64)
     capacity = int(positions.max()) + 2
     pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
@@ -131,20 +133,25 @@ def test_the_mixed_decoder_computes_walked_rows_as_the_walked_decoder_and_given_
         for i in range(n):
             pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
             pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
-    together = batched.run_mixed(h, positions, pool_keys, pool_values, transformer.rope, k,
-                                 ["served" if g else "walked" for g in given], served.reshape(n * B, -1),
-                                 selections.reshape(n * B, -1))
+    together = batched.run_mixed(h, positions, pool_keys, pool_values, transformer.rope, k, kinds,
+                                 served.reshape(n * B, -1), selections.reshape(n * B, -1))
     for b, (kv, _) in enumerate(rows):
         own = _copy(model, kv)
-        if given[b]:
-            alone = single.run_served(h[b:b + 1], kv.length, own, transformer.rope, plan.outputs, plan.selections)
+        if kinds[b] == "served":
+            alone = single.run_served(h[b:b + 1], kv.length, own, transformer.rope, plans[b].outputs,
+                                      plans[b].selections)
             fields = ("inputs", "scores", "residuals", "settled")
+            assert isinstance(together[b], ServedPass) and together[b].settled.all()   # the scores' own top K
+        elif kinds[b] == "replay":
+            alone = single.run_replay(h[b:b + 1], kv.length, own, transformer.rope, plans[b].outputs)
+            fields = ("inputs", "residuals")
+            assert isinstance(together[b], ReplayPass)
         else:
             alone = single.run_walked(h[b:b + 1], kv.length, own, transformer.rope, k)
             fields = ("inputs", "scores", "selections", "outputs", "residuals", "settled")
+            assert isinstance(together[b], WalkedPass)
         for field in fields:
             assert np.array_equal(getattr(together[b], field), getattr(alone, field)), (b, field)
         for i in range(n):
             assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
             assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
-    assert together[1].settled.all()                 # its walked step's own selections: the scores' top K

@@ -7,12 +7,13 @@ code runs in a thread of its own (the session's decode generator: the model's fo
 strings, logprobs, the walk's cache lookups), exactly as on the single path, up to the call of a whole-model
 decoder graph: the model's decoder is a `RowRouter`, which hands that call from a row's thread to the batch. When
 every row has handed in its call or finished its step, the rows' calls are grouped by kind (dense; walked with its
-K; served or replayed from the walk's cache, each row with its own plan's FFN outputs), one call of the batched
-graph (graphs/batched.py) computes each group, and each row goes on with its own result: the dense decoder's
-logits, or the walked, served or replay decoder's pass, which the row's walk settles (keys, lookups, stores,
-statistics, and from a layer it does not keep on, its layers redone) as a single step. For those the batch also runs
-the head once for the group (a row that keeps every layer takes its logits from there, as the single path takes the
-head graph's).
+K; served or replayed from the walk's cache, each row with its own plan's FFN outputs; walked rows and served or
+replayed ones together in the mixed decoder, served and replayed ones together in the served decoder), one call
+of the batched graphs (graphs/batched.py) computes each group, and each row goes on with its own result: the
+dense decoder's logits, or the walked, served or replay decoder's pass, which the row's walk settles (keys,
+lookups, stores, statistics, and from a layer it does not keep on, its layers redone) as a single step. For those
+the batch also runs the head once for the group (a row that keeps every layer takes its logits from there, as the
+single path takes the head graph'shead graph's).
 
 So only the graph calls are shared: what a row's FFN decides, and its cache counts, are the single path's. A
 prefill runs on its own, and so does a call that is alone of its kind in a step beside a larger group (a batched
