@@ -1,8 +1,9 @@
 """Batched decode (engine/model/batch.py, graphs/batched.py) through a real server on loopback and the real `openai`
 client: concurrent greedy replies decode together in one forward pass per step and equal the same replies decoded
 alone (one at a time, the single-path decoder), with the dense FFN and with the walk and its cache (whose stores
-made in a batch then serve the replies alone, and whose per-request counts stay exact); a client that goes away
-frees its batch row."""
+made in a batch then serve the replies alone, and whose per-request counts stay exact; a warm cache's served and
+replayed steps are batched too, beside walked ones in one mixed call); a client that goes away frees its batch
+row."""
 from __future__ import annotations
 
 import threading
@@ -195,6 +196,86 @@ def test_gemma_completions_decoded_together_equal_the_completions_alone(gemma3):
         assert together == solo
         assert after["joined"] - before["joined"] == len(prompts)
         assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"] > 0
+    finally:
+        batched.stop()
+        alone.stop()
+
+
+def _rows_per_step(after: dict, before: dict, kinds: tuple[str, ...]) -> tuple[int, int]:
+    """Batched calls of `kinds` between two batch snapshots, and the rows they computed."""
+    def total(doc: dict, field: str) -> int:
+        return sum(doc["by_kind"].get(kind, {}).get(field, 0) for kind in kinds)
+    return total(after, "steps") - total(before, "steps"), total(after, "row_steps") - total(before, "row_steps")
+
+
+def test_walk_replies_served_from_a_warm_cache_decode_together_and_equal_the_replies_alone(smollm2):
+    # The default walk server (L1/L2): two questions asked alone first fill the cache and its key trace; asked
+    # again beside two new ones, their steps are planned from it (served or replayed) while the new ones' steps
+    # are walked: each kind of call is batched, and every reply is the one asked alone.
+    engine = LarqlEngine(smollm2, walk=WalkSettings())
+    batched = start_server(engine, "127.0.0.1", 0)
+    alone = start_server(engine, "127.0.0.1", 0, batch_rows=0)
+    warm, count, tokens = 2, 4, 24
+    try:
+        def ask(handle, i: int):
+            return _client(handle).chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=tokens,
+                temperature=0, logprobs=True)
+        solo = [ask(alone, i) for i in range(warm)]
+        engine_before, before = _engine_counts(engine), _batch(batched)
+        together = _concurrently(count, lambda i: ask(batched, i))
+        engine_after, after = _engine_counts(engine), _batch(batched)
+        solo += [ask(alone, i) for i in range(warm, count)]       # served from what the batch stored
+
+        assert [r.choices[0].message.content for r in together] == [r.choices[0].message.content for r in solo]
+        for got, want in zip(together, solo):        # bit-identical logits: the same log probabilities
+            assert [t.logprob for t in got.choices[0].logprobs.content] == \
+                [t.logprob for t in want.choices[0].logprobs.content]
+        # Warm steps decoded together (the batched calls that held served or replayed rows held several each),
+        # and so did the new questions' walked steps, in the same calls (the mixed decoder) where they met.
+        for kinds in (("served", "replay"), ("walked",)):
+            steps, rows = _rows_per_step(after, before, kinds)
+            assert rows > steps > 0, (kinds, after["by_kind"])
+        assert after["mixed_steps"] > before["mixed_steps"]
+        assert all(r.larql_cache["hits"]["L2"] > 0 for r in together[:warm])       # type: ignore[attr-defined]
+        # Each request's larql_cache counts stay exact: together they are what the engine counted.
+        summed: dict = {}
+        for reply in together:
+            for key, n in _request_counts(reply.larql_cache).items():    # type: ignore[attr-defined]
+                summed[key] = summed.get(key, 0) + n
+        delta = {k: engine_after[k] - engine_before.get(k, 0) for k in engine_after}
+        assert {k: v for k, v in summed.items() if v} == {k: v for k, v in delta.items() if v}
+        assert after["rows_in_use"] == 0 and after["joined"] - before["joined"] == count
+    finally:
+        batched.stop()
+        alone.stop()
+
+
+def test_gemma_walk_completions_warm_and_cold_past_the_window_decode_together_as_alone(gemma3):
+    # Gemma 3's walk with L1/L2, one prompt longer than its sliding window: two completions asked alone first are
+    # replayed or served from the cache beside two new ones walked, in batched calls, each as it is alone.
+    engine = LarqlEngine(gemma3, walk=WalkSettings())
+    batched = start_server(engine, "127.0.0.1", 0)
+    alone = start_server(engine, "127.0.0.1", 0, batch_rows=0)
+    long_prompt = "The river flows past the old mill and under the stone bridge. " * 60 + "Then the river"
+    assert len(gemma3.tokenizer.encode(long_prompt)) > gemma3.config.sliding_window
+    prompts = [long_prompt, "The capital of France is", "Once upon a time, a spider", "def fibonacci(n):"]
+    warm = 2
+    try:
+        def complete(handle, i: int):
+            return _client(handle).completions.create(model=gemma3.name, prompt=prompts[i], max_tokens=16,
+                                                      temperature=0, logprobs=1)
+        solo = [complete(alone, i) for i in range(warm)]
+        before = _batch(batched)
+        together = _concurrently(len(prompts), lambda i: complete(batched, i))
+        after = _batch(batched)
+        solo += [complete(alone, i) for i in range(warm, len(prompts))]
+        assert [r.choices[0].text for r in together] == [r.choices[0].text for r in solo]
+        for got, want in zip(together, solo):
+            assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+        assert after["row_steps"] - before["row_steps"] > after["steps"] - before["steps"] > 0
+        assert _rows_per_step(after, before, ("served", "replay"))[1] > 0      # the warm ones' steps were batched
+        assert after["solo_steps"] - before["solo_steps"] < after["row_steps"] - before["row_steps"]
     finally:
         batched.stop()
         alone.stop()

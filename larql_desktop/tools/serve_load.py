@@ -157,10 +157,26 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) 
             row["batched_steps"] = steps
             row["rows_per_batched_step"] = round((after["row_steps"] - before["row_steps"]) / steps, 2) if steps \
                 else None
+            # By kind of call (dense, walked, and the walk's served and replayed steps; a call holding walked and
+            # served rows counts for each), the calls that ran alone of their kind in a step, and the mixed calls.
+            row["rows_per_batched_step_by_kind"] = _per_kind(before.get("by_kind") or {}, after.get("by_kind") or {})
+            row["solo_steps"] = after.get("solo_steps", 0) - before.get("solo_steps", 0)
+            row["mixed_steps"] = after.get("mixed_steps", 0) - before.get("mixed_steps", 0)
         out.append(row)
     base = out[0]["tok_per_s"] if out and out[0]["clients"] == 1 else None
     for row in out:
         row["vs_one_client"] = round(row["tok_per_s"] / base, 2) if base else None
+    return out
+
+
+def _per_kind(before: dict, after: dict) -> dict:
+    """{kind: {"steps", "rows_per_step"}} between two snapshots of the batch's by_kind counts."""
+    out = {}
+    for kind, counts in after.items():
+        steps = counts["steps"] - before.get(kind, {}).get("steps", 0)
+        rows = counts["row_steps"] - before.get(kind, {}).get("row_steps", 0)
+        if steps:
+            out[kind] = {"steps": steps, "rows_per_step": round(rows / steps, 2)}
     return out
 
 

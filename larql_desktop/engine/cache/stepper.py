@@ -134,7 +134,9 @@ class WalkStepper:
         outputs as its own (`last_output` (1, d): the last layer's, what the head reads beside its residual)."""
         if kept == model.config.n_layers:
             kv.length = start + 1
-            return model.graphs.run_head(ran.residuals[-1:], last_output)
+            # A batch of rows (model/batch.py) ran the head for them all with the call: the same head graph on
+            # the same residual and output.
+            return ran.logits if ran.logits is not None else model.graphs.run_head(ran.residuals[-1:], last_output)
         # Layers before `kept` had what the walk gives them, so layer `kept`'s attention, input and scores stand;
         # its FFN runs now, and the layers after it run again (rewriting their KV rows).
         i = kept

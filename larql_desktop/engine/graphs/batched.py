@@ -17,20 +17,27 @@ keys come from its own seqlens_k (past keys 0..seqlens_k[b], the sliding window 
 The batched walked decoder is graphs/decoder.py's walked decoder so batched (the top-K walk at every layer, K one
 input for all rows): its per-layer outputs come layer-major, (n_layers * B, ...), row b of layer i at i * B + b;
 `run_walked` hands back one decoder.WalkedPass per row, which the walk settles as it settles a single step.
+The batched served and replay decoders are graphs/decoder.py's served and replay decoders so batched: the served
+FFN outputs (and the served decoder's guessed selections) come in layer-major too, (n_layers * B, ...), each row
+its own plan's; `run_served` and `run_replay` hand back one decoder.ServedPass / ReplayPass per row. The mixed
+decoder runs walked rows and served rows in one call (decoder.mixed_pass_nodes: each row the walk or its given
+outputs, by the input "given"), so a step whose rows want both costs one call, not two.
 """
 from __future__ import annotations
 
 import threading
 from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.formats.gguf import GgufFile
-from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, WalkedPass, head_nodes, layers_with_ffn,
-                                                 rope_bases, walked_pass_nodes)
+from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPass, ServedPass, WalkedPass,
+                                                 head_nodes, layers_with_ffn, mixed_pass_nodes, replay_pass_nodes,
+                                                 rope_bases, served_pass_nodes, walked_pass_nodes)
 from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
@@ -39,6 +46,9 @@ BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
 MANIFEST = "batched.manifest.json"
 FILE = "decoder.batched.onnx"
 WALKED_FILE = "decoder.batched_walked.onnx"
+SERVED_FILE = "decoder.batched_served.onnx"
+REPLAY_FILE = "decoder.batched_replay.onnx"
+MIXED_FILE = "decoder.batched_mixed.onnx"
 FLOAT = TensorProto.FLOAT
 # The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
 _SEQUENCE_SHAPE = "_3d_shape"
@@ -106,6 +116,61 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     return make_model(nodes, inits, inputs, outputs, "batched_walked_decoder")
 
 
+def build_batched_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The served decoder (graphs/decoder.py) over B rows: inputs "served" (n * B, d) and "selections" (n * B, F),
+    outputs "inputs", "scores", "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
+    nodes, inits = served_pass_nodes(gguf, cfg)
+    _rows_as_sequences(inits)
+    inputs, outputs = _batched_io(cfg)
+    rows = "nB"
+    inputs += [helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]),
+               helper.make_tensor_value_info("selections", TensorProto.BOOL, [rows, cfg.intermediate])]
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("scores", FLOAT, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("settled", TensorProto.BOOL, [rows])]
+    return make_model(nodes, inits, inputs, outputs, "batched_served_decoder")
+
+
+def build_batched_replay_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """The replay decoder (graphs/decoder.py) over B rows: input "served" (n * B, d), outputs "inputs" and
+    "residuals" (n * B, d), layer-major."""
+    nodes, inits = replay_pass_nodes(gguf, cfg)
+    _rows_as_sequences(inits)
+    inputs, outputs = _batched_io(cfg)
+    rows = "nB"
+    inputs.append(helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]))
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden])]
+    return make_model(nodes, inits, inputs, outputs, "batched_replay_decoder")
+
+
+def build_batched_mixed_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
+    """Walked and served rows in one call: the batched walked decoder's inputs and outputs, and "given" (B, 1)
+    bool, "served" (n * B, d) and "selections_in" (n * B, F) for the rows whose FFN outputs are given."""
+    nodes, inits = mixed_pass_nodes(gguf, cfg)
+    _rows_as_sequences(inits)
+    inputs, outputs = _batched_io(cfg)
+    rows = "nB"
+    inputs += [helper.make_tensor_value_info("k", TensorProto.INT64, [1]),
+               helper.make_tensor_value_info("given", TensorProto.BOOL, ["B", 1]),
+               helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]),
+               helper.make_tensor_value_info("selections_in", TensorProto.BOOL, [rows, cfg.intermediate])]
+    outputs[:0] = [helper.make_tensor_value_info("inputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("scores", FLOAT, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("selections", TensorProto.BOOL, [rows, cfg.intermediate]),
+                   helper.make_tensor_value_info("outputs", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("residuals", FLOAT, [rows, cfg.hidden]),
+                   helper.make_tensor_value_info("settled", TensorProto.BOOL, [rows])]
+    return make_model(nodes, inits, inputs, outputs, "batched_mixed_decoder")
+
+
+def _per_row(arrays: dict[str, np.ndarray], n: int, B: int) -> list[dict[str, np.ndarray]]:
+    """Layer-major outputs (n * B, ...) as each row's (n, ...) arrays."""
+    by_row = {name: array.reshape(n, B, *array.shape[1:]) for name, array in arrays.items()}
+    return [{name: np.ascontiguousarray(array[:, b]) for name, array in by_row.items()} for b in range(B)]
+
+
 class OnnxBatchedDecoder:
     """The batched dense decoder of one model: exported beside the other decoders on first use (its own manifest),
     its session made on first use. Not thread-safe per thread of use: one caller steps a batch at a time."""
@@ -120,15 +185,30 @@ class OnnxBatchedDecoder:
         build_walked = partial(build_batched_walked_decoder_graph, gguf, config)
         store.ensure(WALKED_FILE, build_walked, "Exporting the batched walked decoder graph to ONNX", 0.5,
                      optimized=True)
+        build_served = partial(build_batched_served_decoder_graph, gguf, config)
+        store.ensure(SERVED_FILE, build_served, "Exporting the batched served decoder graph to ONNX", 0.7,
+                     optimized=True)
+        build_replay = partial(build_batched_replay_decoder_graph, gguf, config)
+        store.ensure(REPLAY_FILE, build_replay, "Exporting the batched replay decoder graph to ONNX", 0.85,
+                     optimized=True)
+        build_mixed = partial(build_batched_mixed_decoder_graph, gguf, config)
+        store.ensure(MIXED_FILE, build_mixed, "Exporting the batched mixed decoder graph to ONNX", 0.9,
+                     optimized=True)
         store.save()
         opts = partial(session_options, threads, spinning=True)
         self._sessions = {"dense": LazySessions(store, [(FILE, build)], opts, optimized=True),
-                          "walked": LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True)}
+                          "walked": LazySessions(store, [(WALKED_FILE, build_walked)], opts, optimized=True),
+                          "served": LazySessions(store, [(SERVED_FILE, build_served)], opts, optimized=True),
+                          "replay": LazySessions(store, [(REPLAY_FILE, build_replay)], opts, optimized=True),
+                          "mixed": LazySessions(store, [(MIXED_FILE, build_mixed)], opts, optimized=True)}
         self._local = threading.local()
         self._zeros = ZeroRows(config.hidden)
 
     def load_session(self, walk: bool = False) -> None:
-        self._sessions["walked" if walk else "dense"].load_all(None, "Loading the batched decoder graph")
+        """Make the dense decoder's session now, or with `walk` the walked, served, replay and mixed decoders'
+        (what a walk's decode steps run)."""
+        for kind in ("walked", "served", "replay", "mixed") if walk else ("dense",):
+            self._sessions[kind].load_all(None, "Loading the batched decoder graph")
 
     def run(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
             rope) -> np.ndarray:
@@ -156,9 +236,83 @@ class OnnxBatchedDecoder:
         for name, array in arrays.items():
             binding.bind_output(name, array)
         binding.run()
-        by_row = {name: array.reshape(n, B, *array.shape[1:]) for name, array in arrays.items()}
-        return [WalkedPass(**{name: np.ascontiguousarray(array[:, b]) for name, array in by_row.items()})
-                for b in range(B)]
+        return [WalkedPass(**row) for row in _per_row(arrays, n, B)]
+
+    def run_served(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                   rope, served: np.ndarray, selections: np.ndarray, replayed: Sequence[bool] = ()
+                   ) -> list[ServedPass | ReplayPass]:
+        """As `run` with every layer's FFN output given: served (n * B, d) and the guessed selections
+        (n * B, F) bool, layer-major (row b of layer i at i * B + b); what each row computed (one ServedPass per
+        row, or for the rows `replayed` names, what `run_replay` computes for them: the same inputs and
+        residuals, the gate aside)."""
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        self._check_layer_major(served, n * B)
+        binding = self._bind("served", h, positions, keys, values, rope)
+        binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        binding.bind_input("selections", np.ascontiguousarray(selections, dtype=bool))
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "scores": np.empty((n * B, cfg.intermediate), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32),
+                  "settled": np.empty(n * B, bool)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        replayed = list(replayed) or [False] * B
+        return [ReplayPass(row["inputs"], row["residuals"]) if replay else ServedPass(**row)
+                for replay, row in zip(replayed, _per_row(arrays, n, B))]
+
+    def run_replay(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                   rope, served: np.ndarray) -> list[ReplayPass]:
+        """As `run_served` without the gate (no selections, no scores): one ReplayPass per row."""
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        self._check_layer_major(served, n * B)
+        binding = self._bind("replay", h, positions, keys, values, rope)
+        binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        return [ReplayPass(**row) for row in _per_row(arrays, n, B)]
+
+    def run_mixed(self, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                  rope, k: int, kinds: Sequence[str], served: np.ndarray, selections: np.ndarray
+                  ) -> list[WalkedPass | ServedPass | ReplayPass]:
+        """Each row as its kind asks (`kinds`, one per row): "walked" as `run_walked` computes it (a WalkedPass),
+        "served" as `run_served` (a ServedPass) and "replay" as `run_replay` (a ReplayPass), with served and
+        selections as there (the walked rows' parts are not read)."""
+        cfg, B, n = self.config, h.shape[0], self.config.n_layers
+        self._check_layer_major(served, n * B)
+        if len(kinds) != B or not set(kinds) <= {"walked", "served", "replay"}:
+            raise ValueError(f"one kind per row (walked, served or replay) for {B} rows, not {list(kinds)}")
+        binding = self._bind("mixed", h, positions, keys, values, rope)
+        binding.bind_input("k", np.array([k], np.int64))
+        binding.bind_input("given", np.array([kind != "walked" for kind in kinds], bool).reshape(B, 1))
+        binding.bind_input("served", np.ascontiguousarray(served, dtype=np.float32))
+        binding.bind_input("selections_in", np.ascontiguousarray(selections, dtype=bool))
+        arrays = {"inputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "scores": np.empty((n * B, cfg.intermediate), np.float32),
+                  "selections": np.empty((n * B, cfg.intermediate), bool),
+                  "outputs": np.empty((n * B, cfg.hidden), np.float32),
+                  "residuals": np.empty((n * B, cfg.hidden), np.float32),
+                  "settled": np.empty(n * B, bool)}
+        for name, array in arrays.items():
+            binding.bind_output(name, array)
+        binding.run()
+        out: list[WalkedPass | ServedPass | ReplayPass] = []
+        for kind, row in zip(kinds, _per_row(arrays, n, B)):
+            if kind == "served":
+                out.append(ServedPass(row["inputs"], row["scores"], row["residuals"], row["settled"]))
+            elif kind == "replay":
+                out.append(ReplayPass(row["inputs"], row["residuals"]))
+            else:
+                out.append(WalkedPass(**row))
+        return out
+
+    def _check_layer_major(self, served: np.ndarray, rows: int) -> None:
+        if served.shape != (rows, self.config.hidden):
+            raise ValueError(f"served outputs of shape {served.shape}, not ({rows}, {self.config.hidden}): one row "
+                             "per layer and batch row, layer-major")
 
     def _bind(self, kind: str, h: np.ndarray, positions: np.ndarray, keys: list[np.ndarray],
               values: list[np.ndarray], rope) -> Binding:

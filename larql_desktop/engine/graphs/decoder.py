@@ -169,6 +169,29 @@ def _served_layers(gguf: GgufFile, cfg: ModelConfig, gated: bool) -> tuple[list,
     return nodes, inits
 
 
+def served_pass_nodes(gguf: GgufFile, cfg: ModelConfig) -> tuple[list, list]:
+    """The served decoder's nodes: every gated layer with layer i's FFN output read from the i-th of n equal
+    parts of the input "served" (layer-major rows), gathered layer-major into "inputs", "scores", "residuals"
+    and "settled" (selection_check_nodes of the input "selections"). With one row per layer this is the served
+    decoder; with B (graphs/batched.py), row b of layer i at i * B + b, the batched one."""
+    n = cfg.n_layers
+    nodes, inits = _served_layers(gguf, cfg, gated=True)
+    for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    nodes += selection_check_nodes(inits)
+    return nodes, inits
+
+
+def replay_pass_nodes(gguf: GgufFile, cfg: ModelConfig) -> tuple[list, list]:
+    """The replay decoder's nodes: as served_pass_nodes without the gate and the selection check, gathering
+    "inputs" and "residuals"."""
+    n = cfg.n_layers
+    nodes, inits = _served_layers(gguf, cfg, gated=False)
+    for name, part in (("inputs", "x_ffn"), ("residuals", "h_out")):
+        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    return nodes, inits
+
+
 def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     """One decode step (T = 1) with every layer's FFN output given rather than computed: the walk FFN's cache
     hits for a whole token in one call. Input "served" (n_layers, d): row i is layer i's FFN output (a cached
@@ -178,10 +201,7 @@ def build_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     entry turns out not to apply). Composed from the gated layer graphs, so every tensor is computed by the same
     nodes as in the per-layer path; the head graph runs after it."""
     n = cfg.n_layers
-    nodes, inits = _served_layers(gguf, cfg, gated=True)
-    for name, part in (("inputs", "x_ffn"), ("scores", "scores"), ("residuals", "h_out")):
-        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
-    nodes += selection_check_nodes(inits)
+    nodes, inits = served_pass_nodes(gguf, cfg)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
@@ -201,9 +221,7 @@ def build_replay_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     the walk compares with the entries' own) and "residuals" (n, d). Composed from the layer graphs the dense
     per-layer path runs; the head graph runs after it."""
     n = cfg.n_layers
-    nodes, inits = _served_layers(gguf, cfg, gated=False)
-    for name, part in (("inputs", "x_ffn"), ("residuals", "h_out")):
-        nodes.append(helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0))
+    nodes, inits = replay_pass_nodes(gguf, cfg)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
               helper.make_tensor_value_info("f0", FLOAT, [1, cfg.hidden]),
@@ -247,6 +265,40 @@ def walked_pass_nodes(n: int, inits: list) -> list:
     return nodes + selection_check_nodes(inits)
 
 
+def mixed_pass_nodes(gguf: GgufFile, cfg: ModelConfig) -> tuple[list, list]:
+    """The walked and the served decoder in one graph, row by row (graphs/batched.py's mixed decoder): every layer
+    gated (its "scores" as the served decoder's) and followed by the top-K walk graph (as the walked decoder's);
+    where the input "given" (rows, 1) is true, the layer's FFN output is the row's part of "served" (layer-major,
+    as served_pass_nodes reads it) and its scores and selection the gated layer's and the row's part of the input
+    "selections_in" (layer-major too), elsewhere the walk's. Gathered as walked_pass_nodes gathers them:
+    "inputs", "scores", "selections", "outputs", "residuals", "settled"."""
+    n = cfg.n_layers
+    nodes = [helper.make_node("Split", ["served"], [f"served{i}" for i in range(n)], axis=0, num_outputs=n),
+             helper.make_node("Split", ["selections_in"], [f"guessed{i}" for i in range(n)], axis=0, num_outputs=n)]
+    inits: list = []
+    for i in range(n):
+        more_nodes, more_inits = _layer(gguf, cfg, i, "f0" if i == 0 else f"l{i - 1}.ffn_out", gated=True)
+        nodes += more_nodes
+        inits += more_inits
+        edges = {"x": f"l{i}.x_ffn", "out": f"l{i}.walk_out", "k": "k"}
+        more_nodes, more_inits = _renamed(build_walk_top_k_graph(gguf, cfg, i).graph,
+                                          lambda name, edges=edges, i=i: edges.get(name, f"l{i}.ffn.{name}"))
+        nodes += more_nodes
+        inits += more_inits
+        nodes += [helper.make_node("Where", ["given", f"served{i}", f"l{i}.walk_out"], [f"l{i}.ffn_out"]),
+                  helper.make_node("Where", ["given", f"l{i}.scores", f"l{i}.ffn.scores"], [f"l{i}.mixed_scores"]),
+                  # (Where takes no bool tensors on the CPU: the selections are chosen as the walk's mask weights)
+                  helper.make_node("Cast", [f"guessed{i}"], [f"l{i}.guessed_weights"], to=TensorProto.FLOAT),
+                  helper.make_node("Where", ["given", f"l{i}.guessed_weights", f"l{i}.ffn.mask"],
+                                   [f"l{i}.mixed_selection"])]
+    nodes += [helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0)
+              for name, part in (("inputs", "x_ffn"), ("scores", "mixed_scores"), ("outputs", "ffn_out"),
+                                 ("residuals", "h_out"), ("selection_weights", "mixed_selection"))]
+    nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
+    nodes += selection_check_nodes(inits)
+    return nodes, inits
+
+
 def selection_check_nodes(inits: list) -> list:
     """"settled" (n,): per layer, whether the guessed selection ("selections", (n, F) bool) is exactly the top
     |selection| features of the layer's scores by magnitude with no tie at the boundary (its weakest selected
@@ -276,11 +328,13 @@ def selection_check_nodes(inits: list) -> list:
 class ServedPass:
     """What one call of the served decoder graph computed, per layer (rows): the normed FFN inputs (n, d), their
     gate scores (n, F), the residuals after attention (n, d) and whether the guessed selection is the scores'
-    own. (The logits are the head graph's of the last residual and FFN output.)"""
+    own. (The logits are the head graph's of the last residual and FFN output: the model runs it after the call,
+or a batch of rows once for them all, handing them in as `logits`.)"""
     inputs: np.ndarray
     scores: np.ndarray
     residuals: np.ndarray
     settled: np.ndarray     # (n,) bool: the guessed selection is the scores' top K, no tie at the K-th place
+    logits: np.ndarray | None = None    # (1, vocab) the head's, when the caller ran it (a batch, for all rows)
 
 
 @dataclass(frozen=True)
@@ -289,6 +343,7 @@ class ReplayPass:
     the residuals after attention (n, d). No gate scores: a layer that needs them computes them itself."""
     inputs: np.ndarray
     residuals: np.ndarray
+    logits: np.ndarray | None = None    # as ServedPass's
     scores = None
 
 
@@ -303,6 +358,7 @@ class WalkedPass:
     outputs: np.ndarray
     residuals: np.ndarray
     settled: np.ndarray
+    logits: np.ndarray | None = None    # as ServedPass's
 
 
 class OnnxDecoder:

@@ -6,17 +6,23 @@ moves into a row of a pool shaped (rows, kv_heads, capacity, head_dim) per layer
 code runs in a thread of its own (the session's decode generator: the model's forward pass, sampling, stop
 strings, logprobs, the walk's cache lookups), exactly as on the single path, up to the call of a whole-model
 decoder graph: the model's decoder is a `RowRouter`, which hands that call from a row's thread to the batch. When
-every row has handed in its call or finished its step, one call of the batched graph (graphs/batched.py) computes
-them all, and each row goes on with its own result: the dense decoder's logits, or the walked decoder's pass,
-which the row's walk settles (keys, lookups, stores, and from a hit on, its layers redone) as a single step.
+every row has handed in its call or finished its step, the rows' calls are grouped by kind (dense; walked with its
+K; served or replayed from the walk's cache, each row with its own plan's FFN outputs; walked rows and served or
+replayed ones together in the mixed decoder, served and replayed ones together in the served decoder), one call
+of the batched graphs (graphs/batched.py) computes each group, and each row goes on with its own result: the
+dense decoder's logits, or the walked, served or replay decoder's pass, which the row's walk settles (keys,
+lookups, stores, statistics, and from a layer it does not keep on, its layers redone) as a single step. For those
+the batch also runs the head once for the group (a row that keeps every layer takes its logits from there, as the
+single path takes the head graph'shead graph's).
 
-So only the graph call is shared: what a row's FFN decides, and its cache counts, are the single path's. A
-decode step planned from the walk's cache (the served and replay decoders), a prefill, and a call whose kind
-differs from the batch's this step run on their own, as the single path runs them. A row leaves (its pool row is
-freed, the last row moved into its place) when its reply ends or its client goes away, between steps.
+So only the graph calls are shared: what a row's FFN decides, and its cache counts, are the single path's. A
+prefill runs on its own, and so does a call that is alone of its kind in a step beside a larger group (a batched
+call over the pool costs more than one row's own call). A row leaves (its pool row is freed, the last row moved
+into its place) when its reply ends or its client goes away, between steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,10 +68,12 @@ class BatchStats:
     left: int
     steps: int              # batched decoder calls
     row_steps: int          # tokens they computed (rows summed over steps)
-    solo_steps: int         # decoder calls rows handed in but ran on their own (another kind than the step's)
+    solo_steps: int         # decoder calls rows handed in but ran on their own (alone of their kind in a step)
+    by_kind: dict           # per kind of call ("dense", "walked", "served", "replay"): {"steps", "row_steps"}
+    mixed_steps: int        # batched calls that held walked rows and served or replayed ones
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "by_kind": {kind: dict(counts) for kind, counts in self.by_kind.items()}}
 
 
 class BatchRow:
@@ -76,20 +84,25 @@ class BatchRow:
         self.session = session
         self.kv = kv
         self.index = -1
-        self.handed_kind: tuple | None = None     # what it handed in this step: ("dense",) or ("walked", k)
+        # What it handed in this step: ("dense",), ("walked", k), ("served",) or ("replay",), with the served
+        # and replay decoders' FFN outputs (n_layers, d) and the served decoder's selections (n_layers, F).
+        self.handed_kind: tuple | None = None
         self.handed_h: np.ndarray | None = None
+        self.handed_served: np.ndarray | None = None
+        self.handed_selections: np.ndarray | None = None
         self.result = None
         self.error: BaseException | None = None
-        self.solo = False                  # this step its call runs on its own (another kind than the batch's)
+        self.solo = False                  # this step its call runs on its own (alone of its kind)
         self.ready = threading.Event()
 
-    def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object]):
+    def hand_in(self, kind: tuple, h: np.ndarray, run_alone: Callable[[], object], served: np.ndarray | None = None,
+                selections: np.ndarray | None = None):
         """In the row's step thread: wait for the batch to run this decoder call (`run_alone` runs it on its own,
         when the batch says so) and return its result."""
         if self.handed_kind is not None:           # a second decoder call in one step: the batch's call has run
             return run_alone()
         self.ready.clear()
-        self.handed_h = h
+        self.handed_h, self.handed_served, self.handed_selections = h, served, selections
         compute = self.batch.compute_lock
         compute.release()                    # the other rows run up to their calls meanwhile
         try:
@@ -106,10 +119,10 @@ class BatchRow:
 
 
 class RowRouter:
-    """Stands in for a model's decoder (graphs/decoder.py's OnnxDecoder): a decode step's dense or walked decoder
-    call made from a batch row's step thread, on that row's KV, goes to the row's batch; every other call (other
-    threads: the app's chats, prefills, the served and replay decoders) goes to the decoder itself. Installed
-    once per model (`install`), whatever the number of batches."""
+    """Stands in for a model's decoder (graphs/decoder.py's OnnxDecoder): a decode step's dense, walked, served or
+    replay decoder call made from a batch row's step thread, on that row's KV, goes to the row's batch; every other
+    call (other threads: the app's chats, prefills) goes to the decoder itself. Installed once per model
+    (`install`), whatever the number of batches."""
 
     def __init__(self, decoder):
         self.decoder = decoder
@@ -141,6 +154,16 @@ class RowRouter:
         alone = lambda: self.decoder.run_walked(h, start, kv, rope, k)   # noqa: E731
         return alone() if row is None else row.hand_in(("walked", k), h, alone)
 
+    def run_served(self, h: np.ndarray, start: int, kv, rope, served: np.ndarray, selections: np.ndarray):
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run_served(h, start, kv, rope, served, selections)   # noqa: E731
+        return alone() if row is None else row.hand_in(("served",), h, alone, served, selections)
+
+    def run_replay(self, h: np.ndarray, start: int, kv, rope, served: np.ndarray):
+        row = self._row_for(h, kv)
+        alone = lambda: self.decoder.run_replay(h, start, kv, rope, served)   # noqa: E731
+        return alone() if row is None else row.hand_in(("replay",), h, alone, served)
+
 
 class DecodeBatch(Generic[T]):
     """The pool of decode rows over one model and its batched decoder graph (graphs/batched.py's
@@ -166,12 +189,14 @@ class DecodeBatch(Generic[T]):
         # layer redone) would only contend for the same cores.
         self.compute_lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_rows, thread_name_prefix="larql-batch-row")
-        self._joined = self._left = self._steps = self._row_steps = self._solo = 0
+        self._joined = self._left = self._steps = self._row_steps = self._solo = self._mixed = 0
+        self._by_kind: dict[str, dict[str, int]] = {}
 
     # -- membership ----------------------------------------------------------------------------------------
     def batches(self, ffn: FfnCall) -> bool:
         """Whether the decode steps of a reply through `ffn` are ones the batched graphs compute: the dense
-        decoder's or the walked decoder's (a walk whose steps run in one decoder call)."""
+        decoder's or the walk's (a walk whose steps run in one decoder call: walked, or served or replayed from
+        its cache)."""
         stepper = stepper_of(ffn)
         return stepper is not None and stepper.runs_decoder_steps()
 
@@ -270,9 +295,10 @@ class DecodeBatch(Generic[T]):
             if any(r.index < 0 for r in steps):
                 raise ValueError("a row that left the batch cannot step")
             if rows:
-                # Room for every row's next position, and one more: a row that stepped on its own before the
-                # batched call still has a (discarded) row computed at its new length.
-                self._make_room(len(rows), max(r.kv.length for r in rows) + 2)
+                # Room for every row's next position, and two more: a batched call computes a discarded row for
+                # each row not in it one past its length, and a row that stepped on its own before the call has
+                # a new length already.
+                self._make_room(len(rows), max(r.kv.length for r in rows) + 3)
             for r in rows:
                 r.handed_kind, r.error, r.solo, r.result = None, None, False, None
             futures: dict[BatchRow, Future] = {r: self._threads.submit(self._in_row(r, fn)) for r, fn in steps.items()}
@@ -282,55 +308,128 @@ class DecodeBatch(Generic[T]):
                 # Every stepping row either hands in its decoder call or ends its step without one.
                 self._handed.wait_for(lambda: all(r.handed_kind is not None or f.done() for r, f in futures.items()))
             waiting = [r for r in rows if r.handed_kind is not None]
-            if waiting:
-                kinds: list[tuple] = [r.handed_kind for r in waiting if r.handed_kind is not None]
-                kind = max(set(kinds), key=lambda x: (kinds.count(x), -kinds.index(x)))
-                batched = [r for r in waiting if r.handed_kind == kind]
+            groups: dict[tuple, list[BatchRow]] = {}
+            for r in waiting:
+                assert r.handed_kind is not None
+                groups.setdefault(r.handed_kind, []).append(r)
+            # One batched call per kind of call (walked rows and served or replayed ones share one); a call alone
+            # of its kind beside a larger group runs on its own (after the batched calls: those write only a
+            # discarded row past its length).
+            ordered = sorted(self._calls(groups), key=lambda group: -len(group[1]))
+            batched = [(kind, members) for i, (kind, members) in enumerate(ordered) if i == 0 or len(members) > 1]
+            for kind, members in batched:
                 try:
-                    self._run(rows, kind, batched)
+                    self._run(rows, kind, members)
                 except BaseException as exc:     # the rows' steps end with it
-                    for r in batched:
+                    for r in members:
                         r.error = exc
-                for r in waiting:
-                    r.solo = r.handed_kind != kind        # they run theirs now, after the batch's call wrote its rows
-                    r.ready.set()
+            in_batch = {r for _, members in batched for r in members}
+            with self._handed:
+                self._solo += len(waiting) - len(in_batch)
+            for r in waiting:
+                r.solo = r not in in_batch
+                r.ready.set()
             results: dict[BatchRow, T | BaseException] = {}
             for r, f in futures.items():
                 raised = f.exception()
                 results[r] = raised if raised is not None else f.result()
             return results
 
-    def _run(self, rows: list[BatchRow], kind: tuple, batched: list[BatchRow]) -> None:
-        """One batched decoder call of `kind` over the pool's first len(rows) rows. A row not in `batched` computes
-        a row of zeros at its length anyway (the rows must be contiguous): it never reads it (its length stays,
-        or it runs its own call after this one, rewriting it)."""
-        n = len(rows)
-        h = np.zeros((n, self.model.config.hidden), np.float32)
-        for r in batched:
+    @staticmethod
+    def _calls(groups: dict[tuple, list[BatchRow]]) -> list[tuple[tuple, list[BatchRow]]]:
+        """The batched calls for the rows' calls grouped by kind: one per kind, except that the served and
+        replayed rows join the largest group of walked rows in one call of the mixed decoder ("mixed", K), or
+        without walked rows share one call of the served decoder."""
+        given = groups.get(("served",), []) + groups.get(("replay",), [])
+        walked = [kind for kind in groups if kind[0] == "walked"]
+        if not walked:
+            if ("served",) not in groups or ("replay",) not in groups:
+                return list(groups.items())
+            return [(kind, members) for kind, members in groups.items() if kind[0] not in ("served", "replay")] + \
+                [(("served",), given)]
+        host = max(walked, key=lambda kind: len(groups[kind]))     # the first of the largest
+        calls = [(kind, members) for kind, members in groups.items()
+                 if kind not in (host, ("served",), ("replay",))]
+        return calls + [(("mixed", host[1]), groups[host] + given)]
+
+    def _run(self, rows: list[BatchRow], kind: tuple, members: list[BatchRow]) -> None:
+        """One batched decoder call of `kind` for `members` over the pool's rows up to the last of them (the rows
+        must be contiguous). A row not in it computes a row of zeros one past its length (it never reads it: the
+        next position it writes is its length), so its own call this step, before or after, stands."""
+        cfg = self.model.config
+        n = max(r.index for r in members) + 1
+        in_call = set(members)
+        h = np.zeros((n, cfg.hidden), np.float32)
+        for r in members:
             assert r.handed_h is not None
             h[r.index] = r.handed_h[0]
-        positions = np.array([r.kv.length for r in rows], np.int64)
+        positions = np.array([r.kv.length + (0 if r in in_call else 1) for r in rows[:n]], np.int64)
         keys, values = [k[:n] for k in self._keys], [v[:n] for v in self._values]
+        rope = self.model.rope
         if kind[0] == "dense":
-            logits = self.decoder.run(h, positions, keys, values, self.model.rope)
-            results: list = [logits[i:i + 1] for i in range(n)]
+            logits = self.decoder.run(h, positions, keys, values, rope)
+            for r in members:
+                r.result = logits[r.index:r.index + 1]
         else:
-            results = self.decoder.run_walked(h, positions, keys, values, self.model.rope, kind[1])
-        for r in batched:
-            r.result = results[r.index]
+            if kind[0] == "walked":
+                passes = self.decoder.run_walked(h, positions, keys, values, rope, kind[1])
+                last = [passes[r.index].outputs[-1] for r in members]
+            elif kind[0] == "mixed":
+                kinds = ["walked"] * n        # what each row's pass is handed back as (the rows not in it: unread)
+                for r in members:
+                    assert r.handed_kind is not None
+                    kinds[r.index] = r.handed_kind[0]
+                served = self._layer_major(n, members, "handed_served", cfg.hidden, np.float32)
+                selections = self._layer_major(n, members, "handed_selections", cfg.intermediate, bool)
+                passes = self.decoder.run_mixed(h, positions, keys, values, rope, kind[1], kinds, served, selections)
+                last = [r.handed_served[-1] if r.handed_served is not None else passes[r.index].outputs[-1]
+                        for r in members]
+            else:
+                served = self._layer_major(n, members, "handed_served", cfg.hidden, np.float32)
+                if kind[0] == "served":        # replayed rows among them take the served decoder's inputs
+                    selections = self._layer_major(n, members, "handed_selections", cfg.intermediate, bool)
+                    replayed = [False] * n
+                    for r in members:
+                        replayed[r.index] = r.handed_kind == ("replay",)
+                    passes = self.decoder.run_served(h, positions, keys, values, rope, served, selections, replayed)
+                else:
+                    passes = self.decoder.run_replay(h, positions, keys, values, rope, served)
+                last = [served[(cfg.n_layers - 1) * n + r.index] for r in members]
+            # The head once for the group, on what the single path's head reads: each row's last residual and
+            # last FFN output (computed, or served).
+            head = self.model.graphs.run_head(np.stack([passes[r.index].residuals[-1] for r in members]),
+                                              np.stack(last))
+            for j, r in enumerate(members):
+                r.result = dataclasses.replace(passes[r.index], logits=head[j:j + 1])
         with self._handed:
             self._steps += 1
-            self._row_steps += len(batched)
-            self._solo += sum(1 for r in rows if r.handed_kind is not None and r.handed_kind != kind)
+            self._row_steps += len(members)
+            member_kinds = [r.handed_kind[0] for r in members if r.handed_kind is not None]
+            for name in set(member_kinds):
+                counts = self._by_kind.setdefault(name, {"steps": 0, "row_steps": 0})
+                counts["steps"] += 1
+                counts["row_steps"] += member_kinds.count(name)
+            self._mixed += int(len(set(member_kinds)) > 1)
+
+    def _layer_major(self, n: int, members: list[BatchRow], name: str, width: int, dtype) -> np.ndarray:
+        """The members' handed-in per-layer rows (n_layers, width) as one (n_layers * n, width) array, row b of
+        layer i at i * n + b (zeros for the rows not in the call)."""
+        out = np.zeros((self.model.config.n_layers, n, width), dtype)
+        for r in members:
+            array = getattr(r, name)
+            if array is not None:
+                out[:, r.index] = array
+        return out.reshape(-1, width)
 
     def load_session(self, walk: bool) -> None:
-        """Make the batched graph's session now (the walked one with `walk`), not at the first batched step."""
+        """Make the batched graphs' sessions now (the walk's with `walk`), not at the first batched step."""
         self.decoder.load_session(walk)
 
     def stats(self) -> BatchStats:
         with self._handed:
             return BatchStats(self.max_rows, len(self._rows), self._capacity, self._joined, self._left,
-                              self._steps, self._row_steps, self._solo)
+                              self._steps, self._row_steps, self._solo,
+                              {kind: dict(counts) for kind, counts in self._by_kind.items()}, self._mixed)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)
