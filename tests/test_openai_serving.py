@@ -467,3 +467,23 @@ def test_the_serve_load_mode_runs_against_the_server(served):
     assert [r["clients"] for r in report["aggregate"]] == [1, 2]
     assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])
     assert report["beside_long"]["long_prompt_tokens"] > 64 and report["prefill"][0]["prompt_tokens"] > 32
+    assert report["conversations"] == "chat" and report["beside_long"]["chunk_stops"] in (0, 1)
+
+
+def test_the_serve_load_mode_runs_against_a_base_model(gemma3):
+    """Gemma 3 270M has no chat template (its chat requests get a 400): the load test sends its conversations as
+    plain-text completions, which still share their prefix turn after turn."""
+    engine = LarqlEngine(gemma3, walk=WalkSettings())
+    handle = start_server(engine, "127.0.0.1", 0)
+    try:
+        report = run_serve_load(handle.url, None, turns=2, max_tokens=2, shared_clients=2, client_counts=(1,),
+                                replies=1, long_tokens=128, beside_delay=0.0, sizes=(64,))
+    finally:
+        handle.stop()
+    assert report["model"] == "gemma3-270m" and report["conversations"] == "completions"
+    first, second = report["multi_turn"]
+    assert first["prompt_tokens"] >= engine.prefill_chunk and second["cached_tokens"] >= engine.prefill_chunk
+    assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
+    assert not report["aggregate"][0]["errors"] and report["aggregate"][0]["tokens"] == 2
+    assert report["beside_long"]["long_prompt_tokens"] > 64 and report["beside_long"]["chunk_stops"] in (0, 1)
+    assert report["prefill"][0]["prompt_tokens"] > 32
