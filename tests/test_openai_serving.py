@@ -4,7 +4,9 @@ every request (bit-identical to recomputing, invalidated by patches, bounded in 
 from __future__ import annotations
 
 import asyncio
+import threading
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -18,6 +20,7 @@ from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.model.overlay import Patch, PatchOperation
 from larql_desktop.tools.serve_load import run_serve_load
+from polling import wait_for
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
@@ -319,6 +322,139 @@ def test_a_long_prefill_lets_another_request_run_between_its_chunks_and_stops_at
     assert stopped.step() == "" and stopped.session.kv.length == 32
 
 
+MINERALS = "The museum's hall of minerals holds quartz, beryl, topaz and a meteorite from Namibia. "
+
+
+def _prefill_yields(session, ids, pause):
+    """What prefill_steps yielded, and the state it left (as _prefill_state)."""
+    yielded = list(session.prefill_steps(ids, pause))
+    kv = session.kv
+    return yielded, (session._prompt_logits[1].copy(), [k[:, :kv.length].copy() for k in kv.keys],
+                     [v[:, :kv.length].copy() for v in kv.values])
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_prefill_chunk_stopped_between_layers_computes_the_same_bits(name, request):
+    """A server stops a long prompt's chunk between two layers for a newly arrived short prompt (`pause`): the chunk
+    then goes on through the same graph calls on the same inputs, so the prefill is bit for bit the one not stopped,
+    and a chunk stops at most once (the long prompt still advances)."""
+    model = request.getfixturevalue(name)
+    ids = model.tokenizer.encode(MINERALS * 8)[:100]              # chunks of 32: 32, 32, 32 and 4 positions
+    engine = LarqlEngine(model, walk=WalkSettings(), prefill_chunk=32, prefix_cache_bytes=0)
+    asked_always: list[int] = []
+    asked_never: list[int] = []
+
+    def always(positions: int) -> bool:
+        asked_always.append(positions)
+        return True
+
+    def never(positions: int) -> bool:
+        asked_never.append(positions)
+        return False
+
+    stopped_yields, stopped = _prefill_yields(engine.new_session(), ids, always)
+    plain_yields, plain = _prefill_yields(engine.new_session(), ids, never)
+    # Stopped once in each chunk (with the positions still to run, that chunk's included), then ran to its end.
+    assert stopped_yields == [100, 68, 68, 36, 36, 4, 4, 0] and asked_always == [100, 68, 36, 4]
+    assert plain_yields == [68, 36, 4, 0]
+    # Asked between every two layers of every chunk, never after the last (the chunk is then as good as done).
+    assert asked_never == [n for n in (100, 68, 36, 4) for _ in range(model.config.n_layers - 1)]
+    _assert_same_state(stopped, plain)
+    _assert_same_state(plain, _prefill_state(engine.new_session(), ids))     # no pause at all: the same too
+
+
+def test_a_short_prompt_arriving_during_a_long_prefill_runs_before_the_rest_of_its_chunk(smollm2):
+    """The scheduler's part: a request waiting for its first turn with a prompt shorter than what a running
+    prefill still has to run stops that prefill's chunk after the layer running (FairTurns tells the run), takes
+    the next turn, and the long prompt's reply is the one it gives alone."""
+    engine = LarqlEngine(smollm2, walk=WalkSettings())
+    chunk = engine.prefill_chunk
+    long_ids = smollm2.tokenizer.encode(MINERALS * 20)[:5 * chunk]
+    short_ids = smollm2.encode_prompt(QUESTION)
+    assert len(short_ids) < chunk                   # its prompt runs in one step, which samples its first token
+    greedy = SamplingSettings(max_tokens=3)
+    turns = FairTurns()
+    runs = {"long": CompletionRun(engine, long_ids, greedy, pause=turns.newcomer_shorter_than),
+            "short": CompletionRun(engine, short_ids, greedy, pause=turns.newcomer_shorter_than)}
+    seen: list[tuple[str, int, int]] = []           # (run, prompt positions in its KV, tokens) after each step
+
+    async def drive(name: str) -> None:
+        run = runs[name]
+        while not run.finished:
+            await turns.run(run.step, newcomer=None if run.started else run.prompt_tokens)
+            seen.append((name, len(run.session.history), run.completion_tokens))
+
+    async def queued(count: int) -> None:
+        while turns.waiting < count:
+            await asyncio.sleep(0)                  # a turn of the event loop, not a timed wait
+
+    async def scenario() -> None:
+        async with turns:                           # the engine is busy: the long request queues, then the short
+            tasks = [asyncio.create_task(drive("long"))]
+            await queued(1)
+            tasks.append(asyncio.create_task(drive("short")))
+            await queued(2)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    # The long prompt's first chunk stopped after its first layer (nothing in its KV history yet), the short
+    # request then ran its whole prompt and sampled its first token, and the long chunk went on to its end.
+    assert seen[:3] == [("long", 0, 0), ("short", len(short_ids), 1), ("long", chunk, 0)]
+    assert turns.chunk_stops == 1
+    for name, ids in (("long", long_ids), ("short", short_ids)):
+        alone = CompletionRun(engine, ids, greedy)
+        while not alone.finished:
+            alone.step()
+        result, alone_result = runs[name].close(), alone.close()
+        assert (result.text, result.completion_tokens) == (alone_result.text, alone_result.completion_tokens)
+
+
+def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(served):
+    """Through the server and the `openai` client: a short chat sent while a long completion prefills streams its
+    first token before the long one's, and both replies are what each gets alone."""
+    engine, handle = served
+    client = _client(handle)
+    long_prompt = MINERALS * 60                      # ~1,200 tokens: many chunks
+    short_messages = [{"role": "user", "content": "Hi"}]
+
+    def stream_long(events: list[str]) -> str:
+        pieces = []
+        for chunk in client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=3, temperature=0,
+                                               stream=True):
+            if chunk.choices and chunk.choices[0].text:
+                if not pieces:
+                    events.append("long first token")
+                pieces.append(chunk.choices[0].text)
+        return "".join(pieces)
+
+    def stream_short(events: list[str]) -> str:
+        pieces = []
+        for chunk in client.chat.completions.create(model="smollm2", messages=short_messages, max_tokens=3,
+                                                    temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not pieces:
+                    events.append("short first token")
+                pieces.append(chunk.choices[0].delta.content)
+        return "".join(pieces)
+
+    alone: list[str] = []
+    short_alone, long_alone = stream_short(alone), stream_long(alone)
+    engine.clear_caches()                            # the long prompt's chunks are stored: prefill it again
+    events: list[str] = []
+    long_text: list[str] = []
+    worker = threading.Thread(target=lambda: long_text.append(stream_long(events)), daemon=True)
+    worker.start()
+    chunk = engine.prefill_chunk
+    # The long prompt is prefilling (a chunk of it is in a session's KV) and has many chunks to go.
+    assert wait_for(lambda: any(len(s.history) >= chunk for s in list(engine.sessions)), within=300)
+    short_text = stream_short(events)
+    worker.join(timeout=600)
+    assert events == ["short first token", "long first token"]
+    assert (short_text, long_text) == (short_alone, [long_alone])
+    stats = httpx.get(f"{handle.url}/v1/cache-stats", timeout=30).json()
+    assert stats["scheduling"]["chunk_stops"] <= 1      # at most the long chunk running when the short one came
+
+
 def test_the_serve_load_mode_runs_against_the_server(served):
     engine, handle = served
     report = run_serve_load(handle.url, None, turns=3, max_tokens=4, shared_clients=2, client_counts=(1, 2),
@@ -331,3 +467,23 @@ def test_the_serve_load_mode_runs_against_the_server(served):
     assert [r["clients"] for r in report["aggregate"]] == [1, 2]
     assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])
     assert report["beside_long"]["long_prompt_tokens"] > 64 and report["prefill"][0]["prompt_tokens"] > 32
+    assert report["conversations"] == "chat" and report["beside_long"]["chunk_stops"] in (0, 1)
+
+
+def test_the_serve_load_mode_runs_against_a_base_model(gemma3):
+    """Gemma 3 270M has no chat template (its chat requests get a 400): the load test sends its conversations as
+    plain-text completions, which still share their prefix turn after turn."""
+    engine = LarqlEngine(gemma3, walk=WalkSettings())
+    handle = start_server(engine, "127.0.0.1", 0)
+    try:
+        report = run_serve_load(handle.url, None, turns=2, max_tokens=2, shared_clients=2, client_counts=(1,),
+                                replies=1, long_tokens=128, beside_delay=0.0, sizes=(64,))
+    finally:
+        handle.stop()
+    assert report["model"] == "gemma3-270m" and report["conversations"] == "completions"
+    first, second = report["multi_turn"]
+    assert first["prompt_tokens"] >= engine.prefill_chunk and second["cached_tokens"] >= engine.prefill_chunk
+    assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
+    assert not report["aggregate"][0]["errors"] and report["aggregate"][0]["tokens"] == 2
+    assert report["beside_long"]["long_prompt_tokens"] > 64 and report["beside_long"]["chunk_stops"] in (0, 1)
+    assert report["prefill"][0]["prompt_tokens"] > 32

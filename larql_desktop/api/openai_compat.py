@@ -21,6 +21,9 @@ the engine's raw logits (requested_logprobs, chat_logprobs, completion_logprobs 
 Scheduling: a request advances one forward pass (a prefill chunk or a decode step) per turn and turns are handed out first come, first served
 (`FairTurns`), so with many streaming clients each one progresses at its share of the engine; a client that goes
 away ends its request at the next turn (its session is closed, its slot freed). Waiting for a turn holds no thread.
+A request waiting for its first turn with a prompt shorter than what a running prefill still has to run stops
+that prefill's chunk between two layers (once per chunk, session.prefill_steps): it waits for one layer of the long
+prompt's chunk rather than the whole chunk, and the long prompt takes its chunk up again at its next turn.
 Once its prompt has run, a reply joins the decode batch when there is one (engine/model/batch.py): `BatchTurns`
 then takes one turn per step for all the replies in it, which decode together in one forward pass.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -82,12 +86,37 @@ class FairTurns:
         self._free = slots
         self._waiting: deque[asyncio.Future] = deque()
         self._threads = ThreadPoolExecutor(slots, thread_name_prefix="larql-generate")
+        # Prompt positions of the requests waiting for their first turn, read from the generation threads.
+        self._newcomers: dict[object, int] = {}
+        self._newcomers_lock = threading.Lock()
+        self.chunk_stops = 0        # prefill chunks stopped between layers for a newcomer (generation threads)
 
-    async def run(self, fn):
+    async def run(self, fn, newcomer: int | None = None):
         """fn() in a generation thread, during a turn. Cancelled, it still waits for fn to return (a forward
-        pass cannot be interrupted), so whoever cleans up afterwards never races the step."""
-        async with self:
+        pass cannot be interrupted), so whoever cleans up afterwards never races the step. `newcomer`: the
+        prompt positions of a request taking its first turn (`newcomer_shorter_than` tells a running prefill)."""
+        ticket = object()
+        if newcomer is not None:
+            with self._newcomers_lock:
+                self._newcomers[ticket] = newcomer
+        try:
+            await self.__aenter__()
+        finally:
+            with self._newcomers_lock:
+                self._newcomers.pop(ticket, None)
+        try:
             return await self.call(fn)
+        finally:
+            self._release()
+
+    def newcomer_shorter_than(self, positions: int) -> bool:
+        """Whether a request waiting for its first turn has a prompt shorter than `positions` (what a running
+        prefill still has to run): that prefill then stops its chunk for it (the answer True is counted as
+        such a stop). Called from the generation threads, between the layers of a chunk."""
+        with self._newcomers_lock:
+            shorter = any(n < positions for n in self._newcomers.values())
+            self.chunk_stops += shorter
+        return shorter
 
     async def call(self, fn):
         """fn() in a generation thread, within a turn the caller holds (`async with turns`)."""
@@ -458,7 +487,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
             raise ApiError(429, f"the server is busy with {len(active)} completions; retry shortly",
                            code="too_many_completions")
         try:
-            run = CompletionRun(engine, ids, settings, stops, requested_logprobs(req), batch)
+            run = CompletionRun(engine, ids, settings, stops, requested_logprobs(req), batch,
+                                pause=turns.newcomer_shorter_than)
         except PromptTooLong as exc:
             raise too_long(exc, param) from None
         except ValueError as exc:
@@ -535,7 +565,7 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
                         if isinstance(item, BaseException):
                             raise item
                         yield item
-                text = await turns.run(run.step)
+                text = await turns.run(run.step, newcomer=None if run.started else run.prompt_tokens)
                 if text:
                     yield text
         finally:

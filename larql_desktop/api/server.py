@@ -263,8 +263,9 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
     app.state.batch = batch = decode_batch(engine.model, batch_rows)
     if batch is not None and preload_batch:     # the batched graph the engine's FFN settings run, made now
         batch.load_session(walk=not engine.walk_settings.dense)
-    app.include_router(openai_compat.openai_router(engine, openai_compat.FairTurns(generation_slots),
-                                                   max_completions, app.state.preparation, max_body, batch))
+    app.state.turns = turns = openai_compat.FairTurns(generation_slots)
+    app.include_router(openai_compat.openai_router(engine, turns, max_completions, app.state.preparation, max_body,
+                                                   batch))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -352,6 +353,8 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         doc["l3"] = engine.l3.status() if engine.l3 is not None else None
         doc["prefix_cache"] = engine.prefix_cache.stats().to_dict()
         doc["batch"] = batch.stats().to_dict() if batch is not None else None
+        # Prefill chunks stopped between two layers so that a newly arrived shorter prompt ran first.
+        doc["scheduling"] = {"chunk_stops": turns.chunk_stops}
         return finite_json(doc)
 
     @app.get("/v1/patches", response_model=PatchList)

@@ -6,7 +6,7 @@ worker counts a reply.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 from larql_desktop.engine.cache.stats import CacheCounts, cache_counts
 from larql_desktop.engine.core import LarqlEngine
@@ -56,7 +56,8 @@ class CompletionRun:
     """
 
     def __init__(self, engine: LarqlEngine, prompt_ids: list[int], settings: SamplingSettings, stop: Sequence[str] = (),
-                 logprobs: int | None = None, batch: DecodeBatch | None = None):
+                 logprobs: int | None = None, batch: DecodeBatch | None = None,
+                 pause: Callable[[int], bool] | None = None):
         limit = engine.model.context_limit
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -73,8 +74,10 @@ class CompletionRun:
         except Exception:
             engine.close_session(self.session)
             raise
-        # The prompt runs in chunks, one per step, before the first token is sampled (no forward pass of its own).
-        self._prefill: Generator[int, None, None] | None = self.session.prefill_steps(list(prompt_ids))
+        # The prompt runs in chunks, one per step, before the first token is sampled (no forward pass of its own);
+        # `pause` may stop a chunk between two layers (ChatSession.prefill_steps), which then ends its step.
+        self._prefill: Generator[int, None, None] | None = self.session.prefill_steps(list(prompt_ids), pause)
+        self.started = False                # a step has run (the scheduler favours a request's first step)
         self._pieces: list[str] = []        # text the session produced, before stop strings
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -100,11 +103,12 @@ class CompletionRun:
         return self.finish_reason is not None
 
     def step(self) -> str:
-        """Run one forward pass (the first ones are the prompt's prefill chunks, which return '') and return the
-        reply text it completed (often '' while a UTF-8 sequence or a possible stop string is incomplete).
-        `finished` then says whether it ended."""
+        """Run one forward pass (the first ones are the prompt's prefill chunks, or parts of a chunk `pause`
+        stopped, which return '') and return the reply text it completed (often '' while a UTF-8 sequence or a
+        possible stop string is incomplete). `finished` then says whether it ended."""
         if self.finished or self._result is not None:
             return ""
+        self.started = True
         if self._prefill is not None:
             if next(self._prefill):
                 return ""                       # more of the prompt to run: other requests' turns first

@@ -156,12 +156,19 @@ class ChatSession:
             result.text = self.messages[-1]["content"] = "".join(reply) + decoder.flush()
             result.ended = True
 
-    def prefill_steps(self, ids: list[int]) -> Generator[int, None, None]:
+    def prefill_steps(self, ids: list[int], pause: Callable[[int], bool] | None = None
+                      ) -> Generator[int, None, None]:
         """Run the prompt `ids` into the KV cache, one chunk of at most `prefill_chunk` positions per `next()`
         (a server interleaves other requests' steps between them), yielding the positions still to run (0 after the
         last chunk); a reply to `ids` then starts from its logits without running anything. Reuses the KV cache's
         own longest common prefix, or a longer one from the shared prefix cache, and stores the prompt there when
-        its whole chunks (those a cold prefill of `ids` computes the same way, bit for bit)."""
+        its whole chunks (those a cold prefill of `ids` computes the same way, bit for bit).
+
+        `pause(positions still to run, this chunk's included)`, asked between the layers of a chunk: True stops
+        the chunk there, to go on at the next `next()` (a server serves a newly arrived short prompt first rather
+        than make it wait for the rest of a long one's chunk). A chunk stops at most once, so a long prompt still
+        advances by a chunk every two steps; a stopped chunk runs the same graph calls on the same inputs as one
+        that was not (the same bits)."""
         ffn = self.ffn                      # one FFN for the whole prompt, even if the engine rebinds meanwhile
         common = 0
         for a, b in zip(self.history, ids):
@@ -189,7 +196,17 @@ class ChatSession:
         logits = None
         for start, stop in prefill_chunks(common, len(ids), self.prefill_chunk):
             recorder.start()
-            logits = self.model.transformer.forward(ids[start:stop], self.kv, ffn)[-1]
+            passing = self.model.transformer.forward_by_layer(ids[start:stop], self.kv, ffn)
+            stopped = False
+            while True:
+                try:
+                    next(passing)
+                except StopIteration as done:
+                    logits = done.value[-1]
+                    break
+                if pause is not None and not stopped and pause(len(ids) - start):
+                    stopped = True
+                    yield len(ids) - start
             self.history.extend(ids[start:stop])
             if stop < len(ids):
                 yield len(ids) - stop

@@ -12,6 +12,8 @@ Two modes:
   serve like a real inference server's clients (tools/serve_load.py): multi-turn TTFT by turn, shared-system-prompt
         TTFT, aggregate tok/s at 1/2/4/8 clients, a small request beside a long prefill, prefill time by length;
         `--compare URL` runs the same against another OpenAI server (llama-cpp-python's) and reports both.
+        Against a base model (`serve --model gemma3-270m`) conversations are sent as plain-text completions, to
+        both servers.
 
     python -m larql_desktop.tools.loadtest URL [--mode walk|chat] --clients 8 --seconds 10 [--token T]
     python -m larql_desktop.tools.loadtest URL --mode serve [--compare http://127.0.0.1:8000] [--turns 8]
@@ -350,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                        long_tokens=args.long_tokens, beside_delay=args.beside_delay,
                        sizes=tuple(int(n) for n in args.sizes.split(",")), parts=tuple(args.parts.split(",")))
         report = {"larql": run_serve_load(args.url, None, token=args.token, **options)}
-        if args.compare:
-            report["compare"] = run_serve_load(args.compare, None, token=args.compare_token, **options)
+        if args.compare:     # the same requests: a base model's conversations as plain text there too
+            report["compare"] = run_serve_load(args.compare, None, token=args.compare_token,
+                                               chat=report["larql"]["conversations"] == "chat", **options)
         json.dump(report, sys.stdout, indent=1)
         print()
         errors = [e for side in report.values() for row in side.get("aggregate", ()) for e in row["errors"]]

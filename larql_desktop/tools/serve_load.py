@@ -10,7 +10,9 @@ same run can point at this server and at another one (llama-cpp-python's `python
                  differ every run, so no server can serve them from a prefix cache)
 
 Only the standard library's HTTP client; the server must be on loopback. Prompts are text (every server takes text)
-sized from the server's own `usage.prompt_tokens` for a calibration prompt.
+sized from the server's own `usage.prompt_tokens` for a calibration prompt. A base model (larql-desktop's card says
+`chat: false`, as for Gemma 3 270M) has no chat template: its conversations go to /v1/completions as plain text
+("User: ...", "Assistant: ..." paragraphs), and the server beside it is sent the same requests.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ SYSTEM = ("You are the guide of a museum of natural history. The museum has twel
 
 
 class Client:
-    def __init__(self, url: str, model: str, token: str | None = None, timeout: float = 600.0):
+    def __init__(self, url: str, model: str, token: str | None = None, timeout: float = 600.0, chat: bool = True):
         self.host, self.port = checked_target(url, 1, 1)
         self.model, self.headers, self.timeout = model, auth_headers(token), timeout
+        self.uses_chat = chat       # False: conversations are sent as plain-text completions (a base model)
 
     def stream(self, path: str, body: dict) -> dict:
         """One streamed request: seconds to the first text, total seconds, completion tokens and the reply text."""
@@ -73,6 +76,14 @@ class Client:
     def batch_stats(self) -> dict | None:
         """This server's decode batch counters (larql-desktop's /v1/cache-stats `batch`); None from a server
         without them."""
+        return self._server_stats("batch")
+
+    def scheduling_stats(self) -> dict | None:
+        """This server's scheduling counters (larql-desktop's /v1/cache-stats `scheduling`: prefill chunks stopped
+        for a newly arrived shorter prompt); None from a server without them."""
+        return self._server_stats("scheduling")
+
+    def _server_stats(self, part: str) -> dict | None:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             conn.request("GET", "/v1/cache-stats", headers=self.headers)
@@ -80,19 +91,27 @@ class Client:
             body = r.read()
             if r.status != 200:
                 return None
-            batch = json.loads(body).get("batch")
-            return batch if isinstance(batch, dict) else None
-        except (OSError, ValueError):
+            doc = json.loads(body).get(part)
+            return doc if isinstance(doc, dict) else None
+        except (OSError, ValueError, AttributeError):
             return None
         finally:
             conn.close()
 
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
+        if not self.uses_chat:
+            return self.complete(transcript(messages), max_tokens)
         return self.stream("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
                                                     "temperature": 0})
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
         return self.stream("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def transcript(messages: list[dict]) -> str:
+    """A conversation as a base model's plain-text prompt: a "Role: content" paragraph per message, then the
+    assistant's cue (the same text whichever server it is sent to)."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
 
 
 def filler(sentences: int, salt: int) -> str:
@@ -192,13 +211,18 @@ def beside_long(client: Client, long_tokens: int, delay: float, salt: int) -> di
     long_prompt = filler(sentences_for(client, long_tokens, salt + 1), salt)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(client.complete(long_prompt, 1)), daemon=True)
+    before = client.scheduling_stats()
     worker.start()
     time.sleep(delay)        # a tool, not a test: the small request arrives while the long prefill runs
     beside = client.chat(small, 4)["ttft"]
     worker.join()
+    after = client.scheduling_stats()
     return {"small_alone_ttft_s": _rounded(alone), "small_beside_long_ttft_s": _rounded(beside),
             "ratio": round(beside / alone, 2) if alone else None, "long_prompt_tokens": result.get("prompt_tokens"),
-            "long_seconds": _rounded(result.get("seconds", float("nan")))}
+            "long_seconds": _rounded(result.get("seconds", float("nan"))),
+            # larql-desktop: 1 when the long prompt's chunk stopped between layers for the small request (0: the
+            # small one came between two chunks, or the long prefill had ended); None from another server.
+            "chunk_stops": after["chunk_stops"] - before["chunk_stops"] if before and after else None}
 
 
 def prefill(client: Client, sizes: list[int], salt: int) -> list[dict]:
@@ -213,13 +237,19 @@ def prefill(client: Client, sizes: list[int], salt: int) -> list[dict]:
 def run_serve_load(url: str, model: str | None, *, token: str | None = None, turns: int = 8, max_tokens: int = 32,
                    shared_clients: int = 4, client_counts: tuple[int, ...] = (1, 2, 4, 8), replies: int = 2,
                    long_tokens: int = 2048, beside_delay: float = 1.5, sizes: tuple[int, ...] = (256, 1024, 2048),
-                   parts: tuple[str, ...] = ("multi_turn", "shared_prefix", "aggregate", "beside_long", "prefill")
-                   ) -> dict:
+                   parts: tuple[str, ...] = ("multi_turn", "shared_prefix", "aggregate", "beside_long", "prefill"),
+                   chat: bool | None = None) -> dict:
+    """The parts' figures from the server at `url` (its first model unless `model`). `chat`: whether conversations
+    use /v1/chat/completions; None: as the server's model card says (larql-desktop's `larql.chat`; yes if the card
+    does not say), False: plain-text completions (`transcript`)."""
+    card = _first_model(url, token)
     if model is None:
-        model = _first_model(url, token)
-    client = Client(url, model, token)
+        model = card["id"]
+    if chat is None:
+        chat = bool((card.get("larql") or {}).get("chat", True))
+    client = Client(url, model, token, chat=chat)
     salt = int(time.time() * 1000) % 1_000_000
-    report: dict = {"url": url, "model": model}
+    report: dict = {"url": url, "model": model, "conversations": "chat" if chat else "completions"}
     if "multi_turn" in parts:
         report["multi_turn"] = rows = multi_turn(client, turns, max_tokens)
         report["multi_turn_last_vs_first"] = round(rows[-1]["ttft_s"] / rows[0]["ttft_s"], 2) if rows[0]["ttft_s"] \
@@ -238,11 +268,12 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
     return report
 
 
-def _first_model(url: str, token: str | None) -> str:
+def _first_model(url: str, token: str | None) -> dict:
+    """The card of the first model the server lists (`id`, and larql-desktop's `larql` details)."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=30)
     try:
         conn.request("GET", "/v1/models", headers=auth_headers(token))
-        return json.loads(conn.getresponse().read())["data"][0]["id"]
+        return json.loads(conn.getresponse().read())["data"][0]
     finally:
         conn.close()

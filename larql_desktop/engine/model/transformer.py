@@ -11,13 +11,15 @@ through the `Stepper` an FFN brings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Generator, Protocol, TypeVar
 
 import numpy as np
 
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.formats.gguf import GgufError, GgufFile
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
+
+Result = TypeVar("Result")
 
 
 class FfnCall(Protocol):
@@ -276,6 +278,16 @@ class TransformerModel:
         `record(i, h, x)` is given each layer's residual after its attention and its FFN input (fresh arrays,
         (T, d)): what `resume` needs to re-run the layers after one whose FFN changed. `stepper` (by default the
         one `ffn` brings) may run a pass that needs neither whole in a decoder graph."""
+        return run_to_end(self.forward_by_layer(ids, kv, ffn, all_logits, record, stepper))
+
+    def forward_by_layer(self, ids, kv: KvCache, ffn: FfnCall, all_logits: bool = False,
+                         record: LayerRecord | None = None, stepper: Stepper | None = None
+                         ) -> Generator[int, None, np.ndarray]:
+        """`forward` as a generator that yields between the layers of a pass run in the per-layer graphs (the
+        layers done so far) and returns the logits: a server can run another request's step between two layers
+        of a long prompt's chunk and take the chunk up again, through the same graph calls on the same inputs
+        (the same bits). The kv cache must not change meanwhile. A pass that runs whole in one graph call (or in
+        numpy) runs at the first `next()`."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -291,7 +303,7 @@ class TransformerModel:
             if logits is not None:
                 return logits
         if self.graphs is not None:
-            return self.run_graph_layers(h, start, kv, ffn, stepper, all_logits=all_logits, record=record)
+            return (yield from self._graph_layers(h, start, kv, ffn, stepper, all_logits, record))
         return self._forward_numpy(h, 0, None, start, kv, ffn, all_logits, record)
 
     def resume(self, layer: int, h: np.ndarray, x: np.ndarray, kv: KvCache, ffn: FfnCall,
@@ -340,6 +352,13 @@ class TransformerModel:
                          f: np.ndarray | None = None) -> np.ndarray:
         """The layers from `first` on in the per-layer graphs, then the head: `h` (T, d) is the residual going into
         layer `first` and `f` the FFN output (T, d) of the layer before it (None: layer 0, nothing to add)."""
+        return run_to_end(self._graph_layers(h, start, kv, ffn, stepper, all_logits, record, first, f))
+
+    def _graph_layers(self, h: np.ndarray, start: int, kv: KvCache, ffn: FfnCall, stepper: Stepper | None,
+                      all_logits: bool, record: LayerRecord | None, first: int = 0, f: np.ndarray | None = None
+                      ) -> Generator[int, None, np.ndarray]:
+        """run_graph_layers, yielding the layers done between two layers (not after the last: the pass is then
+        as good as done)."""
         cfg, graphs = self.config, self.graphs
         T = h.shape[0]
         bases = {base: self.rope.table(base, start + T) for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
@@ -347,6 +366,8 @@ class TransformerModel:
             f = graphs.zeros(T)   # layer 0 has no previous FFN output to add
         scored = stepper.scored_ffn(T) if stepper is not None and graphs.has_gate_scores else None
         for i in range(first, cfg.n_layers):
+            if i > first:
+                yield i
             cos, sin = bases[cfg.rope_base_for(i)]
             if scored is not None:
                 h, x, scores = graphs.run_layer(i, h, f, kv.keys[i], kv.values[i], start, cos, sin, gate_scores=True)
@@ -361,6 +382,15 @@ class TransformerModel:
             f = np.ascontiguousarray(out, dtype=np.float32)
         kv.length = start + T
         return graphs.run_head(h, f) if all_logits else graphs.run_head(h[-1:], f[-1:])
+
+
+def run_to_end(steps: Generator[Any, None, Result]) -> Result:
+    """What a generator returns, run to its end."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class NumpyDenseFfn:
