@@ -230,6 +230,7 @@ def test_a_resent_conversation_reuses_its_previous_prompt(served):
     engine, handle = served
     client = _client(handle)
     messages = _ask("Where are the dinosaur skeletons?")
+    previous_prompt = 0
     for turn in range(3):
         reply, _ = _greedy(client, messages, n=12)
         if turn:
