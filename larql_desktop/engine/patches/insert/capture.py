@@ -39,6 +39,22 @@ def remember(memory: dict, key, tokens: list[int]) -> None:
     memory[key] = tokens
 
 
+def common_prefix(before: Sequence[int], ids: Sequence[int]) -> int:
+    """How many first tokens `ids` shares with `before`, leaving at least its last to run (for its logits)."""
+    shared, limit = 0, min(len(before), len(ids) - 1)
+    while shared < limit and before[shared] == ids[shared]:
+        shared += 1
+    return shared
+
+
+def copy_rows(source: KvCache, kv: KvCache, length: int) -> None:
+    """The first `length` positions of `source` into the empty `kv` (a context that begins as source's does)."""
+    for mine, theirs in ((kv.keys, source.keys), (kv.values, source.values)):
+        for layer, rows in enumerate(theirs):
+            mine[layer][:, :length] = rows[:, :length]
+    kv.length = length
+
+
 class Captured(NamedTuple):
     """One context's pass: per layer the normed FFN input (T, d), the last position's logits, the KV cache, and
     per layer the residual after attention (T, d) that `Inserter.recapture` resumes from."""
@@ -161,10 +177,14 @@ class Capturing:
                 stop.check()
                 out.append(self.greedy(r.ids, PatchOverlay(), r.n, r.enough))
             return out
-        results: list[list[int]] = []
-        for i in range(0, len(requests), GREEDY_ROWS):
+        # In sorted order, so the rows of a call share prefixes (each prompt runs past the one before's).
+        order = sorted(range(len(requests)), key=lambda i: requests[i].ids)
+        results: list[list[int]] = [[] for _ in requests]
+        for i in range(0, len(order), GREEDY_ROWS):
             stop.check()
-            results += self._greedy_rows(batched, requests[i:i + GREEDY_ROWS])
+            chunk = order[i:i + GREEDY_ROWS]
+            for k, tokens in zip(chunk, self._greedy_rows(batched, [requests[k] for k in chunk])):
+                results[k] = tokens
         return results
 
     def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"]) -> list[list[int]]:
@@ -177,9 +197,14 @@ class Capturing:
         values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
         tokens = np.zeros(B, np.int64)
         positions = np.zeros(B, np.int64)
+        previous: tuple[tuple[int, ...], KvCache] | None = None
         for b, r in enumerate(requests):
             kv = KvCache(cfg, capacity=len(r.ids) + 1)
-            tokens[b] = int(np.argmax(transformer.forward(list(r.ids), kv, ffn)[-1]))
+            shared = common_prefix(previous[0], r.ids) if previous is not None else 0
+            if previous is not None and shared:
+                copy_rows(previous[1], kv, shared)
+            tokens[b] = int(np.argmax(transformer.forward(list(r.ids[shared:]), kv, ffn)[-1]))
+            previous = (r.ids, kv)
             for layer in range(cfg.n_layers):
                 keys[layer][b, :, :kv.length] = kv.keys[layer][:, :kv.length]
                 values[layer][b, :, :kv.length] = kv.values[layer][:, :kv.length]
@@ -248,10 +273,7 @@ class Capturing:
             if stop is not None:
                 stop.check()
             ids = tuple(contexts[i])
-            shared = 0
-            limit = min(len(previous), len(ids) - 1)   # at least the last token runs (its logits)
-            while shared < limit and previous[shared] == ids[shared]:
-                shared += 1
+            shared = common_prefix(previous, ids)
             if source is None or shared == 0:
                 captured = self._capture(ids, overlay)
             else:
@@ -264,10 +286,7 @@ class Capturing:
         """The capture of `ids` whose first `shared` positions are `source`'s (a capture under the same overlay of
         a context with the same first `shared` tokens): its KV rows copied, the rest run on them."""
         kv = KvCache(self.model.config, capacity=len(ids) + 2)
-        for mine, theirs in ((kv.keys, source.kv.keys), (kv.values, source.kv.values)):
-            for layer, rows in enumerate(theirs):
-                mine[layer][:, :shared] = rows[:, :shared]
-        kv.length = shared
+        copy_rows(source.kv, kv, shared)
         inputs = [x[:shared] for x in source.inputs]
         residuals = [h[:shared] for h in source.residuals]
 
