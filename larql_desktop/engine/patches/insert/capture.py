@@ -191,7 +191,8 @@ class Capturing:
         cfg, transformer = self.model.config, self.model.transformer
         ffn = self.ffn(PatchOverlay())
         B = len(requests)
-        capacity = max(len(r.ids) + r.n for r in requests) + 1
+        # Every row steps until the last closes: room for the longest prompt and the most tokens asked.
+        capacity = max(len(r.ids) for r in requests) + max(r.n for r in requests) + 1
         shape = (B, cfg.n_kv_heads, capacity, cfg.head_dim)
         keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
         values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
