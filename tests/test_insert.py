@@ -48,6 +48,57 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     assert len({(op.layer, op.feature) for op in ops}) == len(ops)
 
 
+def test_shared_work_gives_what_each_context_alone_gives(smollm2):
+    """The work INSERT shares between its contexts: base continuations decoded together (prompts that share the
+    chat template's turns run past the shared prefix) are the one-at-a-time greedy's, token for token; captures
+    of contexts that share prefixes hold every position of every layer, with the next token each alone gives;
+    and a capture brought up to an added feature from the first position it fires at agrees with one re-run
+    whole from that layer, and keeps the positions before it."""
+    from larql_desktop.engine.loading import chat_prompt_ids
+    from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+    from larql_desktop.engine.patches.insert import Cancel, fisher_key, step_pair
+    from larql_desktop.engine.patches.insert.capture import GreedyRequest
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    clean = PatchOverlay()
+    questions = ["What is the capital of France?", "What is the capital of Japan?", "Tell me a joke."]
+    prompts = [tuple(chat_prompt_ids(smollm2, q)) for q in questions]
+    prompts += [tuple(ins.encode(t)) for t in ("The capital of France is", "The capital of Japan is")]
+    requests = [GreedyRequest({}, i, ids, 6 + i, None) for i, ids in enumerate(prompts)]
+    assert ins.greedy_many(requests, Cancel(None)) == [ins.greedy(r.ids, clean, r.n) for r in requests]
+
+    start = tuple(smollm2.tokenizer.encode(" The capital of France is", add_bos=False))
+    contexts = [prompts[0], prompts[0] + start, prompts[1], prompts[3]]
+    together = ins.capture_all(contexts, clean)
+    n_layers = smollm2.config.n_layers
+    for ids, shared in zip(contexts, together):
+        alone = ins.capture(ids, clean)
+        assert [x.shape[0] for x in shared.inputs] == [len(ids)] * n_layers
+        assert shared.kv.length == len(ids)
+        assert int(np.argmax(shared.logits)) == int(np.argmax(alone.logits))
+
+    # A feature that fires on the France question's answer position only (keyed on it against the rest).
+    layer = n_layers - 4
+    ids = contexts[1]
+    captured = ins.capture(ids, clean)
+    x = captured.inputs[layer]
+    gate, bias, up, _ = fisher_key(x[-1:], x[:-1])
+    slots = ins.free_slots(layer, set(), x, 2)
+    target = ins.target_token("Lyon")
+    direction = ins.value_direction(target, [captured.logits], layer)
+    added = step_pair(layer, slots, gate, bias, up, direction * 256.0, Fact("France", "capital-of", "Lyon"),
+                      target, 0)
+    patched = PatchOverlay.build((Patch(added, smollm2.name, smollm2.checksum),), engine.base_weights)
+    whole = ins.recapture(ids, ins.capture(ids, clean), layer, patched)
+    partial = ins.recapture(ids, ins.capture(ids, clean), layer, patched, added)
+    assert int(np.argmax(partial.logits)) == int(np.argmax(whole.logits))
+    assert int(np.argmax(partial.logits)) == target != int(np.argmax(captured.logits))   # the feature wrote it
+    for i in range(layer + 1, n_layers):
+        assert partial.inputs[i].shape == captured.inputs[i].shape
+        np.testing.assert_array_equal(partial.inputs[i][:-1], captured.inputs[i][:-1])
+
+
 def test_keys_hold_on_a_paraphrase_the_insert_was_given(smollm2):
     engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
     ins = engine.inserter()

@@ -27,7 +27,10 @@ first token. Here, per target token (each firing on the context that precedes it
     below its threshold rather than give up the layer;
   * if the canonical prompt still fails (writes from several layers adding up to an overshoot), every write
     is scaled, or a token's last layer or the word-end step dropped, until it answers (rescue_canonical).
-Captures are resumed from the changed layer (and extended by the next target token) instead of re-run whole.
+Captures are resumed from the changed layer, and there from the first position a new feature fires at (and
+extended by the next target token) instead of re-run whole; contexts that share a prefix (the chat template's
+turns, a question bare and with its answer begun) run it once; the model's own answers and continuations that
+the contexts are made of are decoded together, in the batched decoder graph.
 
 The package by seam: `phrasings` (the fact's question in its many forms, the contexts it must leave alone),
 `capture` (forward passes and their captures), `keys` (where a feature fires), `values` (what it writes and how

@@ -10,15 +10,49 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from larql_desktop.engine.cache.walk import WalkFfn
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
+from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
-from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.engine.model.overlay import PatchOperation, PatchOverlay
 from larql_desktop.engine.model.transformer import KvCache
 
 CONTINUATION_TOKENS = 10
+GREEDY_ROWS = 16         # base continuations decoded together in one batched decoder call (greedy_many)
 CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
-CAPTURE_MEMORY = 64     # negative contexts remembered by an Inserter (each T x d x layers floats)
+CAPTURE_MEMORY = 64
+FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this     # negative contexts remembered by an Inserter (each T x d x layers floats)
+
+
+class GreedyRequest(NamedTuple):
+    """A base continuation `Capturing.prefetch_greedy` runs: where its tokens are remembered and how it runs."""
+    memory: dict
+    key: object
+    ids: tuple[int, ...]
+    n: int
+    enough: Callable[[list[int]], bool] | None
+
+
+def remember(memory: dict, key, tokens: list[int]) -> None:
+    if key not in memory and len(memory) >= CONTINUATION_MEMORY:
+        memory.pop(next(iter(memory)))      # the oldest
+    memory[key] = tokens
+
+
+def common_prefix(before: Sequence[int], ids: Sequence[int]) -> int:
+    """How many first tokens `ids` shares with `before`, leaving at least its last to run (for its logits)."""
+    shared, limit = 0, min(len(before), len(ids) - 1)
+    while shared < limit and before[shared] == ids[shared]:
+        shared += 1
+    return shared
+
+
+def copy_rows(source: KvCache, kv: KvCache, length: int) -> None:
+    """The first `length` positions of `source` into the empty `kv` (a context that begins as source's does)."""
+    for mine, theirs in ((kv.keys, source.keys), (kv.values, source.values)):
+        for layer, rows in enumerate(theirs):
+            mine[layer][:, :length] = rows[:, :length]
+    kv.length = length
 
 
 class Captured(NamedTuple):
@@ -60,8 +94,21 @@ class Capturing:
     """Forward passes under an overlay (the FFN from `ffn`, which the Inserter builds)."""
     model: LoadedModel
     ffn: Callable[[PatchOverlay], WalkFfn]
+    walk: WalkSettings
     _captured: dict[tuple, "Captured"]
-    _continued: dict[str, str]
+    _continued: dict[str, list[int]]
+    _deferred: list[GreedyRequest] | None
+    _batched: list[OnnxBatchedDecoder | None]     # empty until made (batched_decoder)
+
+    def batched_decoder(self) -> OnnxBatchedDecoder | None:
+        """The model's batched decoder graph (exported beside its other graphs on first use), made on first use;
+        None for a model without decoder graphs (the numpy reference)."""
+        if not self._batched:
+            decoder = self.model.transformer.decoder
+            self._batched.append(None if decoder is None else OnnxBatchedDecoder(
+                self.model.gguf, self.model.config, self.model.checksum, decoder.directory.parent,
+                self.model.threads))
+        return self._batched[0]
 
     def encode(self, text: str) -> list[int]:
         return self.model.tokenizer.encode(text)
@@ -87,6 +134,104 @@ class Capturing:
                 break
         return out
 
+    def remembered_greedy(self, memory: dict, key, ids: Sequence[int], n: int,
+                          enough: Callable[[list[int]], bool] | None = None) -> list[int]:
+        """The base model's `greedy` continuation of `ids`, remembered in `memory` under `key` (an Inserter keeps
+        CONTINUATION_MEMORY of each kind: many are the same for every insert, or every insert under one
+        relation). While `prefetch_greedy` lists what is missing, one not yet remembered is listed and [] is
+        returned in its place."""
+        if key in memory:
+            return memory[key]
+        if self._deferred is not None:
+            self._deferred.append(GreedyRequest(memory, key, tuple(ids), n, enough))
+            return []
+        tokens = self.greedy(ids, PatchOverlay(), n, enough)
+        remember(memory, key, tokens)
+        return tokens
+
+    def prefetch_greedy(self, build: Callable[[], object], stop: "Cancel", rounds: int = 3) -> None:
+        """Run the base continuations `build` asks `remembered_greedy` for, together (greedy_many), before it runs
+        for real: `build` first runs with every missing one listed and answered [], then those run, up to
+        `rounds` times (a continuation may be asked of a context made of another's answer)."""
+        for _ in range(rounds):
+            self._deferred = []
+            try:
+                build()
+                pending = list({(id(r.memory), r.key): r for r in self._deferred}.values())
+            finally:
+                self._deferred = None
+            if not pending:
+                return
+            for request, tokens in zip(pending, self.greedy_many(pending, stop)):
+                remember(request.memory, request.key, tokens)
+
+    def greedy_many(self, requests: Sequence["GreedyRequest"], stop: "Cancel") -> list[list[int]]:
+        """`greedy` under the base weights of each request, the decode steps of up to GREEDY_ROWS of them in one
+        call of the batched decoder graph (each prompt runs alone first, in one call of the decoder graph): a
+        few dozen short continuations cost little more than the longest one. One at a time where no batched
+        decoder runs (the walk FFN, the numpy reference)."""
+        batched = self.batched_decoder() if self.walk.dense else None
+        if batched is None:
+            out = []
+            for r in requests:
+                stop.check()
+                out.append(self.greedy(r.ids, PatchOverlay(), r.n, r.enough))
+            return out
+        # In sorted order, so the rows of a call share prefixes (each prompt runs past the one before's).
+        order = sorted(range(len(requests)), key=lambda i: requests[i].ids)
+        results: list[list[int]] = [[] for _ in requests]
+        for i in range(0, len(order), GREEDY_ROWS):
+            stop.check()
+            chunk = order[i:i + GREEDY_ROWS]
+            for k, tokens in zip(chunk, self._greedy_rows(batched, [requests[k] for k in chunk])):
+                results[k] = tokens
+        return results
+
+    def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"]) -> list[list[int]]:
+        cfg, transformer = self.model.config, self.model.transformer
+        ffn = self.ffn(PatchOverlay())
+        B = len(requests)
+        # Every row steps until the last closes: room for the longest prompt and the most tokens asked.
+        capacity = max(len(r.ids) for r in requests) + max(r.n for r in requests) + 1
+        shape = (B, cfg.n_kv_heads, capacity, cfg.head_dim)
+        keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        tokens = np.zeros(B, np.int64)
+        positions = np.zeros(B, np.int64)
+        previous: tuple[tuple[int, ...], KvCache] | None = None
+        for b, r in enumerate(requests):
+            kv = KvCache(cfg, capacity=len(r.ids) + 1)
+            shared = common_prefix(previous[0], r.ids) if previous is not None else 0
+            if previous is not None and shared:
+                copy_rows(previous[1], kv, shared)
+            tokens[b] = int(np.argmax(transformer.forward(list(r.ids[shared:]), kv, ffn)[-1]))
+            previous = (r.ids, kv)
+            for layer in range(cfg.n_layers):
+                keys[layer][b, :, :kv.length] = kv.keys[layer][:, :kv.length]
+                values[layer][b, :, :kv.length] = kv.values[layer][:, :kv.length]
+            positions[b] = kv.length
+        stops = self.model.tokenizer.stop_ids
+        out: list[list[int]] = [[] for _ in requests]
+        open_rows = np.ones(B, bool)
+        while True:
+            for b, r in enumerate(requests):
+                if not open_rows[b]:
+                    continue
+                token = int(tokens[b])
+                if token in stops:
+                    open_rows[b] = False
+                    continue
+                out[b].append(token)
+                # As `greedy`: n tokens at most, and the caller's `enough`.
+                if len(out[b]) >= r.n or (r.enough is not None and r.enough(out[b])):
+                    open_rows[b] = False
+            if not open_rows.any():
+                return out
+            # Closed rows step along (their results are not read): one call for all rows.
+            logits = batched.run(transformer.embed(tokens), positions, keys, values, transformer.rope)
+            tokens = np.argmax(logits, axis=1)
+            positions += 1
+
     def continuation(self, text: str, overlay: PatchOverlay, n: int = 8) -> tuple[str, list[int]]:
         """Greedy continuation of plain text under the overlay."""
         tokens = self.greedy(self.encode(text), overlay, n)
@@ -95,11 +240,8 @@ class Capturing:
     def base_continuation(self, text: str) -> str:
         """The base model's greedy continuation of `text` (CONTINUATION_TOKENS), remembered: the generic ones
         are the same for every insert of this Inserter, and the decoys for every insert under one relation."""
-        if text not in self._continued:
-            if len(self._continued) >= CONTINUATION_MEMORY:
-                self._continued.pop(next(iter(self._continued)))      # the oldest
-            self._continued[text] = self.continuation(text, PatchOverlay(), CONTINUATION_TOKENS)[0]
-        return self._continued[text]
+        return self.model.tokenizer.decode(self.remembered_greedy(self._continued, text, self.encode(text),
+                                                                  CONTINUATION_TOKENS))
 
     def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False) -> "Captured":
         """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
@@ -117,6 +259,44 @@ class Capturing:
             self._captured[key] = captured
         return captured
 
+    def capture_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay,
+                    stop: "Cancel | None" = None) -> list["Captured"]:
+        """`capture` of every context, each shared prefix run once: the contexts are taken in sorted order
+        (where each one's longest common prefix with the ones before it is the one with its predecessor) and
+        each runs only its tokens past that prefix, on a copy of its predecessor's KV cache (the prefix's rows
+        of every layer are the predecessor's: the pass is causal). The positives share much: every chat question
+        starts with the template's system turn, and each is captured bare and with two or three answer starts
+        (about a third of their tokens are distinct)."""
+        out: list[Captured | None] = [None] * len(contexts)
+        previous: tuple[int, ...] = ()
+        source: Captured | None = None
+        for i in sorted(range(len(contexts)), key=lambda i: tuple(contexts[i])):
+            if stop is not None:
+                stop.check()
+            ids = tuple(contexts[i])
+            shared = common_prefix(previous, ids)
+            if source is None or shared == 0:
+                captured = self._capture(ids, overlay)
+            else:
+                captured = self._capture_after(ids, shared, source, overlay)
+            out[i] = captured
+            previous, source = ids, captured
+        return [c for c in out if c is not None]
+
+    def _capture_after(self, ids: Sequence[int], shared: int, source: "Captured", overlay: PatchOverlay) -> Captured:
+        """The capture of `ids` whose first `shared` positions are `source`'s (a capture under the same overlay of
+        a context with the same first `shared` tokens): its KV rows copied, the rest run on them."""
+        kv = KvCache(self.model.config, capacity=len(ids) + 2)
+        copy_rows(source.kv, kv, shared)
+        inputs = [x[:shared] for x in source.inputs]
+        residuals = [h[:shared] for h in source.residuals]
+
+        def record(i, h, x):
+            residuals[i] = np.concatenate([residuals[i], h])
+            inputs[i] = np.concatenate([inputs[i], x])
+        logits = self.model.transformer.forward(list(ids[shared:]), kv, self.ffn(overlay), record=record)[-1]
+        return Captured(inputs, logits, kv, residuals)
+
     def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
         inputs: list[np.ndarray] = []
         residuals: list[np.ndarray] = []
@@ -128,21 +308,38 @@ class Capturing:
         logits = self.model.transformer.forward(list(ids), kv, self.ffn(overlay), record=record)[-1]
         return Captured(inputs, logits, kv, residuals)
 
-    def recapture(self, ids: Sequence[int], captured: "Captured", layer: int, overlay: PatchOverlay) -> "Captured":
+    def recapture(self, ids: Sequence[int], captured: "Captured", layer: int, overlay: PatchOverlay,
+                  added: Sequence[PatchOperation] = ()) -> "Captured":
         """`captured` (of `ids`, under an overlay that differed from `overlay` only at `layer` and later) brought
         up to `overlay`: the layers after `layer` re-run from its recorded state, the ones before kept. A few
-        of 30 layers instead of a whole pass per context, each time INSERT adds a layer's write."""
-        inputs, residuals = list(captured.inputs[:layer + 1]), list(captured.residuals[:layer + 1])
-
-        def record(i, h, x):
-            residuals.append(h)
-            inputs.append(x)
+        of 30 layers instead of a whole pass per context, each time INSERT adds a layer's write. With `added`
+        (the gated features `overlay` adds at `layer`, and nothing else changed), only the positions from the
+        first where one of them holds its slot are re-run: the ones before compute what they computed (an
+        inserted feature leaves its slot to the base feature where its gate is not positive, and a position
+        depends on none after it), and they are most of a context, since a key fires where the answer starts."""
+        first = 0
+        if added and all(op.layer == layer and op.gate_bias is not None for op in added):
+            x = captured.inputs[layer]
+            fires = np.zeros(x.shape[0], bool)
+            for op in added:
+                # A hair below zero counts too: the overlay computes the same score in its own order of sums.
+                fires |= x @ op.gate + np.float32(op.gate_bias) > -FIRING_TOLERANCE
+            if not fires.any():
+                return captured
+            first = int(np.argmax(fires))
         kv = captured.kv
         kv.truncate(min(kv.length, len(ids)))
         if kv.length != len(ids):      # a balance trial left the last position out: run it whole
             return self._capture(ids, overlay)
-        logits = self.model.transformer.resume(layer, captured.residuals[layer], captured.inputs[layer], kv,
-                                               self.ffn(overlay), record=record)[-1]
+        inputs = [x if i <= layer else x[:first] for i, x in enumerate(captured.inputs)]
+        residuals = [h if i <= layer else h[:first] for i, h in enumerate(captured.residuals)]
+
+        def record(i, h, x):
+            residuals[i] = np.concatenate([residuals[i], h]) if first else h
+            inputs[i] = np.concatenate([inputs[i], x]) if first else x
+        logits = self.model.transformer.resume(layer, captured.residuals[layer][first:],
+                                               captured.inputs[layer][first:], kv, self.ffn(overlay),
+                                               record=record)[-1]
         return Captured(inputs, logits, kv, residuals)
 
     def extend(self, ids: Sequence[int], captured: Captured, more: Sequence[int], overlay: PatchOverlay) -> Captured:

@@ -12,7 +12,8 @@ from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 from larql_desktop.engine.model.transformer import KvCache
-from larql_desktop.engine.patches.insert.capture import Cancel, Captured, softmax
+from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
+from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, softmax
 from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
                                                       key_layers, step_pair)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
@@ -63,9 +64,11 @@ class Inserter(Contexts, Values):
         self.walk = walk
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._captured: dict[tuple, Captured] = {}
-        self._continued: dict[str, str] = {}
+        self._continued: dict[str, list[int]] = {}
         self._own_replies: dict[tuple, list[int]] = {}
-        self._own_answers: dict[str, str] = {}
+        self._own_answers: dict[str, list[int]] = {}
+        self._deferred: list[GreedyRequest] | None = None
+        self._batched: list[OnnxBatchedDecoder | None] = []      # made on first use (batched_decoder)
         self._word_ends: np.ndarray | None = None
         self._sentence_marks: np.ndarray | None = None
 
@@ -114,6 +117,8 @@ class Inserter(Contexts, Values):
         targets = self.target_tokens(fact.target)
         stop.check()
         report("Reading the fact's contexts", 0.02)
+        # The model's own answers and continuations the contexts are made of, decoded together first.
+        self.prefetch_greedy(lambda: (self.contexts(fact, paraphrases), self.negative_contexts(fact, current)), stop)
         positives = self.contexts(fact, paraphrases)
         # The question's conversations where the reply starts: there the model would restate an earlier answer
         # ("The capital of Portugal is Lisbon.") unless the key fires and the write wins, so each must fire and
@@ -165,7 +170,7 @@ class Inserter(Contexts, Values):
                 captured = [self.extend(ids, c, targets[previous[0]:j], overlay)
                             for ids, c in zip(previous[1], previous[2])]
             else:
-                captured = [self.capture(ids, overlay) for ids in contexts]
+                captured = self.capture_all(contexts, overlay, stop)
             if j == boundary:
                 # What the canonical prompt says after the whole word, among the sentence marks: the direction
                 # to write where the model would go on with the word instead.
@@ -211,12 +216,14 @@ class Inserter(Contexts, Values):
                 rounds += spent
                 tried += 1
                 installed_from = attempt // len(candidates)
-                ops.extend(op_for(scale))
+                added = op_for(scale)
+                ops.extend(added)
                 features += [InstalledFeature(candidate, slot, int(token), j, float(margin)) for slot in slots]
                 overlay = self.overlay_with(current, ops, fact)
                 # The next layer adds its own push on top of this one, and the next step starts from here.
                 if share < WIN_SHARE or j < boundary:
-                    captured = [self.recapture(ids, c, candidate, overlay) for ids, c in zip(contexts, captured)]
+                    captured = [self.recapture(ids, c, candidate, overlay, added)
+                                for ids, c in zip(contexts, captured)]
                 if share >= WIN_SHARE:
                     break
             previous = (j, contexts, captured)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.overlay import PatchOverlay
-from larql_desktop.engine.patches.insert.capture import CONTINUATION_MEMORY, CONTINUATION_TOKENS, Capturing
+from larql_desktop.engine.patches.insert.capture import CONTINUATION_TOKENS, Capturing
 from larql_desktop.engine.patches.relation_frames import relation_frames
 
 # Generated phrasings of "the <relation> of <entity>": generic over relations (nothing here names one), so a
@@ -139,7 +139,7 @@ class Contexts(Capturing):
     """The token contexts of a fact: the positives (where the next token must be the target's) and the negatives
     (every position must leave the model alone), built from the phrasings above and the model's own answers."""
     _own_replies: dict[tuple, list[int]]
-    _own_answers: dict[str, str]
+    _own_answers: dict[str, list[int]]
 
     def contexts(self, fact: Fact, paraphrases: Sequence[str]) -> list[tuple[int, ...]]:
         """Token contexts whose next token must be the target's first: the canonical prompt, the user's
@@ -163,15 +163,11 @@ class Contexts(Capturing):
         """The model's own statement of (entity, relation) as an assistant turn would give it: "The capital of
         France is Paris." (its greedy continuation of the statement, up to the sentence's end)."""
         start = fill("The {r} of {e} is", relation, entity)
-        if start not in self._own_answers:
-            if len(self._own_answers) >= CONTINUATION_MEMORY:
-                self._own_answers.pop(next(iter(self._own_answers)))      # the oldest
-            tok = self.model.tokenizer
-            # Only its first sentence is used: the generation stops at its end.
-            tokens = self.greedy(self.encode(start), PatchOverlay(), CONTINUATION_TOKENS,
-                                 lambda out: bool(SENTENCE_END.search(tok.decode(out))))
-            self._own_answers[start] = tok.decode(tokens)
-        words = self._own_answers[start].strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
+        tok = self.model.tokenizer
+        # Only its first sentence is used: the generation stops at its end.
+        tokens = self.remembered_greedy(self._own_answers, start, self.encode(start), CONTINUATION_TOKENS,
+                                        lambda out: bool(SENTENCE_END.search(tok.decode(out))))
+        words = tok.decode(tokens).strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
         text = " ".join(words)
         cut = text.find(". ")
         text = text[:cut + 1] if cut >= 0 else text
@@ -257,16 +253,10 @@ class Contexts(Capturing):
         """The start of the model's own reply to a chat question, up to the copula that introduces the answer
         ("The language spoken in Quillmoor is"), when the reply restates the relation before it: the place
         where this model, asked this way, would name the target. [] when its reply does not read so."""
-        key = tuple(chat)
-        if key not in self._own_replies:
-            if len(self._own_replies) >= CONTINUATION_MEMORY:
-                self._own_replies.pop(next(iter(self._own_replies)))      # the oldest
-            tok = self.model.tokenizer
-            # Nothing after the copula is read: the generation stops there.
-            self._own_replies[key] = self.greedy(chat, PatchOverlay(), OWN_ANSWER_TOKENS,
-                                                 lambda out: bool(COPULA.search(tok.decode(out))))
-        reply = self._own_replies[key]
         tok = self.model.tokenizer
+        # Nothing after the copula is read: the generation stops there.
+        reply = self.remembered_greedy(self._own_replies, tuple(chat), chat, OWN_ANSWER_TOKENS,
+                                       lambda out: bool(COPULA.search(tok.decode(out))))
         for n in range(1, len(reply) + 1):
             text = tok.decode(reply[:n])
             if COPULA.search(text):

@@ -141,15 +141,21 @@ class Values(Capturing):
         spent = 0
         scales = [s * alpha / 0.1 for s in SCALES]
 
-        def share_at(scale: float) -> float:
+        def share_at(scale: float, need: float | None = None) -> float:
+            """The share won at `scale`; with `need`, the check stops as soon as the share cannot reach it (and
+            then returns one below it): the callers that only ask whether a scale reaches `need` read no more."""
             nonlocal spent
             ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
             ffn = self.ffn(ops_overlay)
-            won = []
+            won: list[bool] = []
             for kv, length, h, x in prefixes:
                 kv.truncate(length)
                 won.append(wins(transformer.resume(layer, h, x, kv, ffn)[-1]))
                 spent += 1
+                if need is not None and (
+                        (sum(won) + len(prefixes) - len(won)) / len(prefixes) < need
+                        or (need >= WIN_SHARE and not all(won[1:always]))):
+                    return float(np.nextafter(need, -np.inf))
             share = float(np.mean(won))
             # A scale that loses a paraphrase the user typed is no success, whatever the share (spread lists
             # those first; the canonical prompt, index 0, has rescue_canonical).
@@ -168,11 +174,11 @@ class Values(Capturing):
             if share >= WIN_SHARE:
                 if previous is not None:
                     middle = float(np.sqrt(previous * scale))
-                    if share_at(middle) >= WIN_SHARE:
+                    if share_at(middle, WIN_SHARE) >= WIN_SHARE:
                         scale = middle
                 # A little headroom over the bare minimum, for phrasings it was not shown, unless the larger
                 # write already overshoots into another token.
-                if share_at(scale * HEADROOM) >= share:
+                if share_at(scale * HEADROOM, share) >= share:
                     scale *= HEADROOM
                 return scale, share, spent
             if best_share > 0 and share < best_share / 2:
