@@ -1,12 +1,17 @@
 """Starting the HTTP API costs no more memory than the model it serves: the input-norm limit the walk-ffn route
-checks residuals against is read from the norm weights alone, not from dequantised attention weights."""
+checks residuals against is read from the norm weights alone, not from dequantised attention weights; and a stopped
+server lets its engine and decode batch go."""
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 
 import numpy as np
+import openai
 
-from larql_desktop.api.server import INPUT_NORM_MARGIN, create_app, max_ffn_input_norm
+from larql_desktop.api.server import INPUT_NORM_MARGIN, create_app, max_ffn_input_norm, start_server
+from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import TransformerModel
 
@@ -24,3 +29,23 @@ def test_the_app_starts_without_dequantising_the_attention_weights(smollm2):
     assert limits.shape == (smollm2.config.n_layers,)
     np.testing.assert_array_equal(limits, np.array(expected))
     np.testing.assert_array_equal(max_ffn_input_norm(fresh), limits)    # and again from the loaded layers
+
+
+def test_a_stopped_server_lets_its_engine_and_decode_batch_go(smollm2):
+    """FastAPI keeps the last endpoints a process served in module-wide caches; ours close over the engine and the
+    batch, so a stopped server kept both (and the batched decoder's sessions) until the process ended."""
+    for dense in (True, False):
+        engine = LarqlEngine(smollm2, walk=WalkSettings(dense=dense))
+        handle = start_server(engine, "127.0.0.1", 0)
+        client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="anything", max_retries=0, timeout=300)
+        reply = client.chat.completions.create(model=smollm2.name, max_tokens=3,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert reply.usage.completion_tokens >= 1
+        client.close()
+        batch = handle.server.config.app.state.batch
+        assert batch is not None
+        gone = [weakref.ref(engine), weakref.ref(batch)]
+        handle.stop()
+        del engine, handle, client, reply, batch
+        gc.collect()
+        assert [ref() is None for ref in gone] == [True, True], f"dense={dense}"

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal, Union
 
+import fastapi.dependencies.models
 import numpy as np
 from fastapi import Body, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -414,6 +415,7 @@ class ServerHandle:
         batch = getattr(getattr(self.server.config.app, "state", None), "batch", None)
         if batch is not None:       # its row threads end
             batch.close()
+        forget_endpoints()
 
     def wait(self, poll: float = 0.5) -> None:
         while self.thread.is_alive():
@@ -422,6 +424,17 @@ class ServerHandle:
     @property
     def running(self) -> bool:
         return self.thread.is_alive() and self.server.started
+
+
+def forget_endpoints() -> None:
+    """Empty FastAPI's module-wide caches of endpoint functions. They keep the last 4096 endpoints a process
+    served, and ours are closures over the engine and its decode batch: without this a stopped server held its
+    engine, model sessions and batched decoder graphs for the life of the process (the test suite grew past
+    20 GB; the window's API toggle kept one batched decoder per start). A running server only recomputes an
+    entry on its next request."""
+    for cached in list(vars(fastapi.dependencies.models).values()):
+        if callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()
 
 
 def _bind(host: str, port: int) -> socket.socket:
