@@ -23,7 +23,8 @@ FORBIDDEN = {
 # The engine's own layers, bottom first: a part (a subpackage or top-level module of engine/) imports only parts of
 # lower rows, never its own row's neighbours nor anything above, so no two parts can form an import cycle.
 ENGINE_LAYERS = (
-    ("formats", "paths"),      # GGUF, quantisations, tokenizer, chat templates, JSON files; where the app's files live
+    ("formats", "paths", "heap"),   # GGUF, quantisations, tokenizer, chat templates, JSON files; where the app's
+                                    # files live; freed memory handed back to the system
     ("catalog",),              # the known models and their downloads
     ("model",),                # config, forward pass, KV cache, sampling, stop strings, FFN outcomes, the patch overlay
     ("graphs",),               # ONNX export of layers, blocks and decoders, and the file store they live in

@@ -18,6 +18,7 @@ from larql_desktop.engine.cache.stats import CacheStats, StatsSnapshot
 from larql_desktop.engine.cache.tiers import CacheTier, PersistentTierView, TierSettings
 from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
+from larql_desktop.engine.heap import return_freed_memory
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
@@ -296,8 +297,11 @@ class LarqlEngine:
         run one at a time, since the inserter's captured contexts are shared), then applied atomically on top of
         whatever is applied by then."""
         with self._insert_lock:
-            result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress,
-                                            paraphrases=paraphrases, cancel=cancel)
+            try:
+                result = self.inserter().insert(fact, self.patches, layer=layer, alpha=alpha, progress=progress,
+                                                paraphrases=paraphrases, cancel=cancel)
+            finally:        # the passes' arrays are gone; their heap space would stay with the process
+                return_freed_memory()
         self.apply_patch(result.patch, origin=origin)
         return result
 
