@@ -38,7 +38,7 @@ SCENARIOS_DIR = DATA_DIR
 @pytest.fixture(autouse=True)
 def freed_memory_returned():
     """After each test, the heap space its engines, sessions and servers freed goes back to the system (and after
-    each module, what only the cycle collector frees): glibc keeps it otherwise, and ~600 tests that each load
+    each module, what only the cycle collector frees): glibc keeps it otherwise, and ~500 tests that each load
     graphs and decode on several threads grew one process past 14 GB of free-but-held heap."""
     yield
     return_freed_memory()
