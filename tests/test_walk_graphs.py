@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from larql_desktop.engine.cache.keys import default_top_k, feature_key, key_features, mask_key, select_features, select_mask
+from larql_desktop.engine.cache.keys import (default_top_k, feature_key, key_features, mask_key, select_features, select_mask,
+                                             select_masks)
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.core import LarqlEngine
@@ -86,6 +87,22 @@ def test_nan_scores_rank_last():
     scores = np.array([np.nan, 1.0, -4.0, np.nan, 2.0], np.float32)
     assert select_features(scores, 3).tolist() == [1, 2, 4]
     assert select_features(scores, 4).tolist() == [0, 1, 2, 4]
+
+
+def test_the_masks_of_many_rows_at_once_are_each_rows_own():
+    """select_masks (a prefill's positions in one partition) against select_mask row by row: ties at the k-th
+    place, between +v and -v, NaN rows and every k from 1 to the width."""
+    rng = np.random.default_rng(2)
+    for trial in range(300):
+        width = int(rng.integers(1, 400))
+        k = int(rng.integers(1, width + 2))
+        rows = tie_heavy_rows(rng, 5, width) if trial % 2 else rng.standard_normal((5, width)).astype(np.float32)
+        if trial % 3 == 0:
+            rows[int(rng.integers(5)), rng.integers(0, width, 3)] = np.nan
+        masks = select_masks(rows, k)
+        assert masks.dtype == bool and masks.shape == rows.shape
+        assert np.array_equal(masks, np.stack([select_mask(row, k) for row in rows]))
+    assert select_masks(np.array([[1.0, -3.0, 3.0, 2.0]], np.float32), 2).tolist() == [[False, True, True, False]]
 
 
 def test_onnx_top_k_mask_selects_what_select_features_selects(mask_session):

@@ -74,6 +74,21 @@ def select_mask(scores: np.ndarray, k: int) -> np.ndarray:
     return _strongest_mask(np.abs(scores), k)
 
 
+def select_masks(scores: np.ndarray, k: int) -> np.ndarray:
+    """select_mask of each row of scores (T, F), as (T, F) bool: one partition for all rows (a prefill's T
+    positions at each layer), each row with a tie at its k-th place (or a NaN) then settled by select_mask."""
+    scores = np.asarray(scores)
+    rows, n = scores.shape
+    if k >= n:
+        return np.ones((rows, n), bool)
+    magnitudes = np.abs(scores)
+    thresholds = np.partition(magnitudes, n - k, axis=1)[:, n - k]
+    masks = magnitudes >= thresholds[:, None]
+    for row in np.flatnonzero(np.count_nonzero(masks, axis=1) != k):
+        masks[row] = _strongest_mask(magnitudes[row], k)
+    return masks
+
+
 def select_features(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the top-k features by |score| for one position, ascending (ties: see `_strongest_mask`)."""
     return np.flatnonzero(select_mask(scores, k))

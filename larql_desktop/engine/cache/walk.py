@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from larql_desktop.engine.cache.keys import (default_top_k, feature_key, is_full_k, key_features, mask_key,
-                                             select_mask)
+                                             select_mask, select_masks)
 from larql_desktop.engine.cache.near_miss import NearMissSampler
 from larql_desktop.engine.cache.stats import WalkObserver
 from larql_desktop.engine.cache.l3.contract import L3Store
@@ -205,7 +205,7 @@ class WalkFfn:
     def selection_mask(self, scores: np.ndarray) -> np.ndarray:
         """(T, F) 0/1 float mask of the top-K features per position: what the walk graph sums over."""
         k = self.settings.top_k
-        return np.stack([select_mask(row, k) for row in scores]).astype(np.float32)
+        return select_masks(scores, k).astype(np.float32)
 
     def mask_for(self, scores: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """(T, F) 0/1 mask of the top-K features per position, and each position's selection (ascending ids)."""
