@@ -467,6 +467,9 @@ def test_the_serve_load_mode_runs_against_the_server(served):
     assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
     assert [r["clients"] for r in report["aggregate"]] == [1, 2]
     assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])
+    # Every client's prompt is new (none repeats the 1-client row's): each row's steps are walked, none replayed
+    # from the FFN cache, which would flatter the ratio.
+    assert all(set(r["rows_per_batched_step_by_kind"]) == {"walked"} for r in report["aggregate"])
     assert report["beside_long"]["long_prompt_tokens"] > 64 and report["prefill"][0]["prompt_tokens"] > 32
     assert report["conversations"] == "chat" and report["beside_long"]["chunk_stops"] in (0, 1)
 

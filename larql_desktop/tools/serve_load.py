@@ -124,8 +124,8 @@ def _rounded(x: float) -> float:
     return round(x, 3)
 
 
-def multi_turn(client: Client, turns: int, max_tokens: int) -> list[dict]:
-    messages = [{"role": "system", "content": SYSTEM}]
+def multi_turn(client: Client, turns: int, max_tokens: int, salt: int) -> list[dict]:
+    messages = [{"role": "system", "content": f"Guided tour {salt}. " + SYSTEM}]   # shares no prefix with shared_prefix
     out = []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"I am on my visit's step {turn + 1}. Which hall shows "
@@ -146,7 +146,9 @@ def shared_prefix(client: Client, clients: int, max_tokens: int, salt: int) -> l
                                   for w in WORDS[:clients])]
 
 
-def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) -> list[dict]:
+def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, salt: int) -> list[dict]:
+    """Every client's prompts differ from every other's, in this row and in the others and in earlier runs (the
+    salt): a prompt decoded before would be served from the FFN cache tiers, not walked, and flatter the ratio."""
     out = []
     for n in counts:
         tokens = [0] * n
@@ -155,7 +157,7 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int) 
         def one(index: int) -> None:
             try:
                 for r in range(replies):
-                    tokens[index] += client.chat([{"role": "user", "content": f"Client {index} reply {r}: describe "
+                    tokens[index] += client.chat([{"role": "user", "content": f"Client {index} of {n} reply {r} (desk {salt}): describe "
                                                    f"{WORDS[(index + r) % len(WORDS)]} in detail."}], max_tokens)["tokens"]
             except Exception as exc:   # noqa: BLE001 - reported, not hidden
                 errors.append(repr(exc))
@@ -251,7 +253,7 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
     salt = int(time.time() * 1000) % 1_000_000
     report: dict = {"url": url, "model": model, "conversations": "chat" if chat else "completions"}
     if "multi_turn" in parts:
-        report["multi_turn"] = rows = multi_turn(client, turns, max_tokens)
+        report["multi_turn"] = rows = multi_turn(client, turns, max_tokens, salt)
         report["multi_turn_last_vs_first"] = round(rows[-1]["ttft_s"] / rows[0]["ttft_s"], 2) if rows[0]["ttft_s"] \
             else None
     if "shared_prefix" in parts:
@@ -260,7 +262,7 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
         report["shared_prefix_later_vs_first"] = round(sum(later) / len(later) / rows[0]["ttft_s"], 2) \
             if later and rows[0]["ttft_s"] else None
     if "aggregate" in parts:
-        report["aggregate"] = aggregate(client, list(client_counts), max_tokens, replies)
+        report["aggregate"] = aggregate(client, list(client_counts), max_tokens, replies, salt)
     if "beside_long" in parts:
         report["beside_long"] = beside_long(client, long_tokens, beside_delay, salt)
     if "prefill" in parts:
