@@ -155,3 +155,31 @@ def test_the_mixed_decoder_computes_each_row_as_the_decoder_of_its_kind(model):
         for i in range(n):
             assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
             assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+
+
+def test_the_batched_walked_decoder_computes_each_row_as_the_single_walked_decoder(model):
+    """A step whose rows are all walked runs in the walked decoder (not the mixed one, which costs more): each
+    row's pass and KV bit for bit the single walked decoder's."""
+    cfg, transformer = model.config, model.transformer
+    single, batched = transformer.decoder, decode_batch(model, 4).decoder
+    rows = _rows(model)
+    B, n, k = len(rows), cfg.n_layers, int(cfg.intermediate * 0.79)
+    h = transformer.embed(np.array([token for _, token in rows]))
+    positions = np.array([kv.length for kv, _ in rows], np.int64)
+    capacity = int(positions.max()) + 2
+    pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
+    pool_values = [np.zeros_like(x) for x in pool_keys]
+    for b, (kv, _) in enumerate(rows):
+        for i in range(n):
+            pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
+            pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+    together = batched.run_walked(h, positions, pool_keys, pool_values, transformer.rope, k)
+    for b, (kv, _) in enumerate(rows):
+        own = _copy(model, kv)
+        alone = single.run_walked(h[b:b + 1], kv.length, own, transformer.rope, k)
+        assert isinstance(together[b], WalkedPass) and together[b].selections.sum(axis=1).tolist() == [k] * n
+        for field in ("inputs", "scores", "selections", "outputs", "residuals", "settled"):
+            assert np.array_equal(getattr(together[b], field), getattr(alone, field)), (b, field)
+        for i in range(n):
+            assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
+            assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])

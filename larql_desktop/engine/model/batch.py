@@ -347,6 +347,8 @@ class DecodeBatch(Generic[T]):
                 return list(groups.items())
             return [(kind, members) for kind, members in groups.items() if kind[0] not in ("served", "replay")] + \
                 [(("served",), given)]
+        if not given:        # the walked decoder: the mixed one costs 20-35% more for the same walked rows
+            return list(groups.items())
         host = max(walked, key=lambda kind: len(groups[kind]))     # the first of the largest
         calls = [(kind, members) for kind, members in groups.items()
                  if kind not in (host, ("served",), ("replay",))]
