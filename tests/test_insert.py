@@ -48,6 +48,25 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     assert len({(op.layer, op.feature) for op in ops}) == len(ops)
 
 
+def test_the_walks_base_continuations_decoded_together_are_each_ones_alone(smollm2):
+    """Under the walk (the window's default FFN), INSERT's base continuations decode together in the batched
+    walked decoder, token for token what each decodes alone (chat prompts sharing the template's turns, plain
+    text, different lengths)."""
+    from larql_desktop.engine.loading import chat_prompt_ids
+    from larql_desktop.engine.model.overlay import PatchOverlay
+    from larql_desktop.engine.patches.insert import Cancel
+    from larql_desktop.engine.patches.insert.capture import GreedyRequest
+
+    ins = LarqlEngine(smollm2, walk=WalkSettings()).inserter()
+    assert not ins.walk.dense and ins._walked_step_k() == ins.ffn(PatchOverlay()).top_k   # the batched walked decoder
+    prompts = [tuple(chat_prompt_ids(smollm2, q)) for q in ("What is the capital of Peru?", "Name a red fruit.")]
+    prompts += [tuple(ins.encode(t)) for t in ("The largest ocean is", "Bees make honey from")]
+    requests = [GreedyRequest({}, i, ids, 5 + 2 * i, None) for i, ids in enumerate(prompts)]
+    together = ins.greedy_many(requests, Cancel(None))
+    assert together == [ins.greedy(r.ids, PatchOverlay(), r.n) for r in requests]
+    assert all(tokens for tokens in together)
+
+
 def test_shared_work_gives_what_each_context_alone_gives(smollm2):
     """The work INSERT shares between its contexts: base continuations decoded together (prompts that share the
     chat template's turns run past the shared prefix) are the one-at-a-time greedy's, token for token; captures

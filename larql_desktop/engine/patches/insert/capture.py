@@ -169,8 +169,8 @@ class Capturing:
         """`greedy` under the base weights of each request, the decode steps of up to GREEDY_ROWS of them in one
         call of the batched decoder graph (each prompt runs alone first, in one call of the decoder graph): a
         few dozen short continuations cost little more than the longest one. One at a time where no batched
-        decoder runs (the walk FFN, the numpy reference)."""
-        batched = self.batched_decoder() if self.walk.dense else None
+        decoder runs (the numpy reference, or a walk whose decode steps go layer by layer)."""
+        batched = self.batched_decoder() if self.walk.dense or self._walked_step_k() is not None else None
         if batched is None:
             out = []
             for r in requests:
@@ -187,9 +187,19 @@ class Capturing:
                 results[k] = tokens
         return results
 
+    def _walked_step_k(self) -> int | None:
+        """K when the base model's decode steps under the walk run whole in the walked decoder graph (no cache
+        tier, nothing a step must do layer by layer): the batched walked decoder then computes each row as that
+        graph computes it alone (tests/test_batched_walk_graphs.py). None otherwise."""
+        ffn = self.ffn(PatchOverlay())
+        if self.walk.dense or ffn.lookup_tiers():
+            return None
+        return ffn.stepper.walk_step_k()
+
     def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"]) -> list[list[int]]:
         cfg, transformer = self.model.config, self.model.transformer
         ffn = self.ffn(PatchOverlay())
+        walk_k = self._walked_step_k()
         B = len(requests)
         # Every row steps until the last closes: room for the longest prompt and the most tokens asked.
         capacity = max(len(r.ids) for r in requests) + max(r.n for r in requests) + 1
@@ -228,7 +238,13 @@ class Capturing:
             if not open_rows.any():
                 return out
             # Closed rows step along (their results are not read): one call for all rows.
-            logits = batched.run(transformer.embed(tokens), positions, keys, values, transformer.rope)
+            h = transformer.embed(tokens)
+            if walk_k is None:
+                logits = batched.run(h, positions, keys, values, transformer.rope)
+            else:       # the head as the single walked step reads it: each row's last residual and FFN output
+                passes = batched.run_walked(h, positions, keys, values, transformer.rope, walk_k)
+                logits = transformer.graphs.run_head(np.stack([p.residuals[-1] for p in passes]),
+                                                     np.stack([p.outputs[-1] for p in passes]))
             tokens = np.argmax(logits, axis=1)
             positions += 1
 
