@@ -83,6 +83,18 @@ class Client:
         for a newly arrived shorter prompt); None from a server without them."""
         return self._server_stats("scheduling")
 
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until the server has written its persistent cache's queue (larql-desktop's /v1/cache-stats
+        `l3.queued_writes`; at once for a server without it): each measurement then starts on a quiet server, not
+        beside the write-behind of the one before (a backlog written while one client decodes alone took a
+        fifth of its speed and made the ratios swing)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            l3 = self._server_stats("l3")
+            if not l3 or not l3.get("queued_writes"):
+                return
+            time.sleep(0.2)
+
     def _server_stats(self, part: str) -> dict | None:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
@@ -162,6 +174,7 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
             except Exception as exc:   # noqa: BLE001 - reported, not hidden
                 errors.append(repr(exc))
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        client.settle()
         before = client.batch_stats()
         t0 = time.perf_counter()
         for t in threads:
@@ -253,10 +266,12 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
     salt = int(time.time() * 1000) % 1_000_000
     report: dict = {"url": url, "model": model, "conversations": "chat" if chat else "completions"}
     if "multi_turn" in parts:
+        client.settle()
         report["multi_turn"] = rows = multi_turn(client, turns, max_tokens, salt)
         report["multi_turn_last_vs_first"] = round(rows[-1]["ttft_s"] / rows[0]["ttft_s"], 2) if rows[0]["ttft_s"] \
             else None
     if "shared_prefix" in parts:
+        client.settle()
         report["shared_prefix"] = rows = shared_prefix(client, shared_clients, max_tokens, salt)
         later = [r["ttft_s"] for r in rows[1:]]
         report["shared_prefix_later_vs_first"] = round(sum(later) / len(later) / rows[0]["ttft_s"], 2) \
@@ -264,8 +279,10 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
     if "aggregate" in parts:
         report["aggregate"] = aggregate(client, list(client_counts), max_tokens, replies, salt)
     if "beside_long" in parts:
+        client.settle()
         report["beside_long"] = beside_long(client, long_tokens, beside_delay, salt)
     if "prefill" in parts:
+        client.settle()
         report["prefill"] = prefill(client, list(sizes), salt)
     return report
 
