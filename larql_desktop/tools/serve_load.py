@@ -162,6 +162,9 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
     """Every client's prompts differ from every other's, in this row and in the others and in earlier runs (the
     salt): a prompt decoded before would be served from the FFN cache tiers, not walked, and flatter the ratio."""
     out = []
+    # One reply first, unmeasured: the first requests a server takes warm its graphs and sessions, which would
+    # slow the 1-client row alone when the aggregate runs first.
+    client.chat([{"role": "user", "content": f"Warm-up (desk {salt}): describe {WORDS[0]}."}], max_tokens)
     for n in counts:
         tokens = [0] * n
         errors: list[str] = []
