@@ -162,9 +162,6 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
     """Every client's prompts differ from every other's, in this row and in the others and in earlier runs (the
     salt): a prompt decoded before would be served from the FFN cache tiers, not walked, and flatter the ratio."""
     out = []
-    # One reply first, unmeasured: the first requests a server takes warm its graphs and sessions, which would
-    # slow the 1-client row alone when the aggregate runs first.
-    client.chat([{"role": "user", "content": f"Warm-up (desk {salt}): describe {WORDS[0]}."}], max_tokens)
     for n in counts:
         tokens = [0] * n
         errors: list[str] = []
@@ -268,6 +265,9 @@ def run_serve_load(url: str, model: str | None, *, token: str | None = None, tur
     client = Client(url, model, token, chat=chat)
     salt = int(time.time() * 1000) % 1_000_000
     report: dict = {"url": url, "model": model, "conversations": "chat" if chat else "completions"}
+    # One reply first, unmeasured: the first requests a server takes warm its graphs and sessions, which would
+    # slow whichever measurement comes first (the multi-turn conversation's first turn, the 1-client row).
+    client.chat([{"role": "user", "content": f"Warm-up (desk {salt}): describe {WORDS[0]}."}], max_tokens)
     if "multi_turn" in parts:
         client.settle()
         report["multi_turn"] = rows = multi_turn(client, turns, max_tokens, salt)
