@@ -46,6 +46,27 @@ def _rows(model) -> list[tuple[KvCache, int]]:
     return rows
 
 
+def _pool(model, rows: list[tuple[KvCache, int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A batch's KV pool (per layer (B, kv_heads, C, hd)) holding each row's prefilled context, with room for one
+    more position each."""
+    cfg = model.config
+    capacity = max(kv.length for kv, _ in rows) + 2
+    keys = [np.zeros((len(rows), cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(cfg.n_layers)]
+    values = [np.zeros_like(k) for k in keys]
+    for b, (kv, _) in enumerate(rows):
+        for i in range(cfg.n_layers):
+            keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
+            values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+    return keys, values
+
+
+def _assert_row_kv_equal(pool_keys, pool_values, b: int, kv: KvCache, own: KvCache) -> None:
+    """Row b of the pool holds what the single decoder left in `own`: the context and the step's new position."""
+    for i in range(len(pool_keys)):
+        assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
+        assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+
+
 def test_batched_served_and_replay_rows_equal_the_single_decoders_bit_for_bit(model):
     cfg, transformer = model.config, model.transformer
     single, batched = transformer.decoder, decode_batch(model, 4).decoder
@@ -59,18 +80,12 @@ def test_batched_served_and_replay_rows_equal_the_single_decoders_bit_for_bit(mo
         plans.append((walked.outputs, walked.selections))
     h = transformer.embed(np.array([token for _, token in rows]))
     positions = np.array([kv.length for kv, _ in rows], np.int64)
-    capacity = int(positions.max()) + 2
     served = np.stack([outputs for outputs, _ in plans], axis=1).reshape(n * B, cfg.hidden)       # layer-major
     selections = np.stack([chosen for _, chosen in plans], axis=1).reshape(n * B, cfg.intermediate)
 
     # "both": the served decoder's call with row 1 replayed (a step whose rows want both runs them in one call).
     for call in ("served", "replay", "both"):
-        pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
-        pool_values = [np.zeros_like(k) for k in pool_keys]
-        for b, (kv, _) in enumerate(rows):
-            for i in range(n):
-                pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
-                pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+        pool_keys, pool_values = _pool(model, rows)
         if call != "replay":
             together = batched.run_served(h, positions, pool_keys, pool_values, transformer.rope, served, selections,
                                           [call == "both" and b == 1 for b in range(B)])
@@ -91,9 +106,7 @@ def test_batched_served_and_replay_rows_equal_the_single_decoders_bit_for_bit(mo
                 assert np.array_equal(together[b].scores, alone.scores), b
                 assert np.array_equal(together[b].settled, alone.settled), b
                 assert together[b].settled.any()           # the walked step's own selections: the scores' top K
-            for i in range(n):                             # the row's new keys and values, in place
-                assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
-                assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+            _assert_row_kv_equal(pool_keys, pool_values, b, kv, own)      # the row's new keys and values, in place
             logits = transformer.graphs.run_head(alone.residuals[-1:], outputs[-1:])
             assert np.array_equal(head[b:b + 1], logits), (call, b)
 
@@ -126,13 +139,7 @@ def test_the_mixed_decoder_computes_each_row_as_the_decoder_of_its_kind(model):
         plans[b] = single.run_walked(h[b:b + 1], rows[b][0].length, _copy(model, rows[b][0]), transformer.rope, k)
         served[:, b], selections[:, b] = plans[b].outputs, plans[b].selections
     positions = np.array([kv.length for kv, _ in rows], np.int64)
-    capacity = int(positions.max()) + 2
-    pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
-    pool_values = [np.zeros_like(x) for x in pool_keys]
-    for b, (kv, _) in enumerate(rows):
-        for i in range(n):
-            pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
-            pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+    pool_keys, pool_values = _pool(model, rows)
     together = batched.run_mixed(h, positions, pool_keys, pool_values, transformer.rope, k, kinds,
                                  served.reshape(n * B, -1), selections.reshape(n * B, -1))
     for b, (kv, _) in enumerate(rows):
@@ -152,9 +159,7 @@ def test_the_mixed_decoder_computes_each_row_as_the_decoder_of_its_kind(model):
             assert isinstance(together[b], WalkedPass)
         for field in fields:
             assert np.array_equal(getattr(together[b], field), getattr(alone, field)), (b, field)
-        for i in range(n):
-            assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
-            assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+        _assert_row_kv_equal(pool_keys, pool_values, b, kv, own)
 
 
 def test_the_batched_walked_decoder_computes_each_row_as_the_single_walked_decoder(model):
@@ -163,16 +168,10 @@ def test_the_batched_walked_decoder_computes_each_row_as_the_single_walked_decod
     cfg, transformer = model.config, model.transformer
     single, batched = transformer.decoder, decode_batch(model, 4).decoder
     rows = _rows(model)
-    B, n, k = len(rows), cfg.n_layers, int(cfg.intermediate * 0.79)
+    n, k = cfg.n_layers, int(cfg.intermediate * 0.79)
     h = transformer.embed(np.array([token for _, token in rows]))
     positions = np.array([kv.length for kv, _ in rows], np.int64)
-    capacity = int(positions.max()) + 2
-    pool_keys = [np.zeros((B, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32) for _ in range(n)]
-    pool_values = [np.zeros_like(x) for x in pool_keys]
-    for b, (kv, _) in enumerate(rows):
-        for i in range(n):
-            pool_keys[i][b, :, :kv.length] = kv.keys[i][:, :kv.length]
-            pool_values[i][b, :, :kv.length] = kv.values[i][:, :kv.length]
+    pool_keys, pool_values = _pool(model, rows)
     together = batched.run_walked(h, positions, pool_keys, pool_values, transformer.rope, k)
     for b, (kv, _) in enumerate(rows):
         own = _copy(model, kv)
@@ -180,6 +179,4 @@ def test_the_batched_walked_decoder_computes_each_row_as_the_single_walked_decod
         assert isinstance(together[b], WalkedPass) and together[b].selections.sum(axis=1).tolist() == [k] * n
         for field in ("inputs", "scores", "selections", "outputs", "residuals", "settled"):
             assert np.array_equal(getattr(together[b], field), getattr(alone, field)), (b, field)
-        for i in range(n):
-            assert np.array_equal(pool_keys[i][b, :, :kv.length + 1], own.keys[i][:, :kv.length + 1])
-            assert np.array_equal(pool_values[i][b, :, :kv.length + 1], own.values[i][:, :kv.length + 1])
+        _assert_row_kv_equal(pool_keys, pool_values, b, kv, own)
