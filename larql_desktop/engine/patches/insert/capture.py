@@ -170,7 +170,8 @@ class Capturing:
         call of the batched decoder graph (each prompt runs alone first, in one call of the decoder graph): a
         few dozen short continuations cost little more than the longest one. One at a time where no batched
         decoder runs (the numpy reference, or a walk whose decode steps go layer by layer)."""
-        batched = self.batched_decoder() if self.walk.dense or self._walked_step_k() is not None else None
+        walk_k = self._walked_step_k()
+        batched = self.batched_decoder() if self.walk.dense or walk_k is not None else None
         if batched is None:
             out = []
             for r in requests:
@@ -183,7 +184,7 @@ class Capturing:
         for i in range(0, len(order), GREEDY_ROWS):
             stop.check()
             chunk = order[i:i + GREEDY_ROWS]
-            for k, tokens in zip(chunk, self._greedy_rows(batched, [requests[k] for k in chunk])):
+            for k, tokens in zip(chunk, self._greedy_rows(batched, [requests[k] for k in chunk], walk_k)):
                 results[k] = tokens
         return results
 
@@ -196,10 +197,11 @@ class Capturing:
             return None
         return ffn.stepper.walk_step_k()
 
-    def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"]) -> list[list[int]]:
+    def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"], walk_k: int | None) -> list[list[int]]:
+        """The rows' continuations: decode steps in the batched dense decoder, or with `walk_k` in the batched
+        walked decoder."""
         cfg, transformer = self.model.config, self.model.transformer
         ffn = self.ffn(PatchOverlay())
-        walk_k = self._walked_step_k()
         B = len(requests)
         # Every row steps until the last closes: room for the longest prompt and the most tokens asked.
         capacity = max(len(r.ids) for r in requests) + max(r.n for r in requests) + 1
