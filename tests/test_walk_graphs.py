@@ -8,8 +8,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from larql_desktop.engine.cache.keys import (default_top_k, feature_key, key_features, mask_key, select_features, select_mask,
-                                             select_masks)
+from larql_desktop.engine.cache.keys import (default_top_k, feature_key, key_features, mask_key, select_features,
+                                             select_mask, select_masks)
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.core import LarqlEngine

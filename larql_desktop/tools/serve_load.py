@@ -169,8 +169,9 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
         def one(index: int) -> None:
             try:
                 for r in range(replies):
-                    tokens[index] += client.chat([{"role": "user", "content": f"Client {index} of {n} reply {r} (desk {salt}): describe "
-                                                   f"{WORDS[(index + r) % len(WORDS)]} in detail."}], max_tokens)["tokens"]
+                    text = (f"Client {index} of {n} reply {r} (desk {salt}): describe "
+                            f"{WORDS[(index + r) % len(WORDS)]} in detail.")
+                    tokens[index] += client.chat([{"role": "user", "content": text}], max_tokens)["tokens"]
             except Exception as exc:   # noqa: BLE001 - reported, not hidden
                 errors.append(repr(exc))
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]

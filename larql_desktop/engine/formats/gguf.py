@@ -6,9 +6,8 @@ numeric arrays become numpy views, so a header loads in a fraction of a second.
 """
 from __future__ import annotations
 
-import math
-
 import hashlib
+import math
 import mmap
 import os
 import struct
