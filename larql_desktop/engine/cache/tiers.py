@@ -126,10 +126,14 @@ class CacheTier:
         self.settings = settings
         self._lock = threading.Lock()
         self._layers: list[OrderedDict] = [OrderedDict() for _ in range(n_layers)]
-        self._bytes = np.zeros(n_layers, np.int64)
-        self._entries = np.zeros(n_layers, np.int64)
-        self._evictions = np.zeros(n_layers, np.int64)
-        self._dropped = np.zeros(n_layers, np.int64)
+        # Per-layer counts as Python ints, and the bytes' total kept as they change: a decode step stores one
+        # entry per layer in each tier, and numpy scalar arithmetic (and a sum per store for the byte budget)
+        # cost several microseconds each, in every batched row's serial share of the step.
+        self._bytes = [0] * n_layers
+        self._entries = [0] * n_layers
+        self._evictions = [0] * n_layers
+        self._dropped = [0] * n_layers
+        self._total_bytes = 0
 
     def configure(self, settings: TierSettings) -> None:
         with self._lock:
@@ -141,8 +145,9 @@ class CacheTier:
         with self._lock:
             for layer in range(self.n_layers):
                 self._layers[layer].clear()
-            self._bytes[:] = 0
-            self._entries[:] = 0
+            self._bytes = [0] * self.n_layers
+            self._entries = [0] * self.n_layers
+            self._total_bytes = 0
 
     def _valid_layer(self, layer: int) -> bool:
         return 0 <= layer < self.n_layers
@@ -210,21 +215,22 @@ class CacheTier:
             entries.move_to_end(key)
         # An existing key is always updated (never dropped); buckets keep the newest entries.
         bucket.append(entry)
-        self._bytes[layer] += entry.nbytes
-        self._entries[layer] += 1
+        self._count(layer, 1, entry.nbytes)
         while len(bucket) > max(1, bucket_size):
-            old = bucket.pop(0)
-            self._bytes[layer] -= old.nbytes
-            self._entries[layer] -= 1
+            self._count(layer, -1, -bucket.pop(0).nbytes)
         if s.byte_budget is not None:
             self._enforce_budget(layer, key)
         return key in entries
 
     def _evict_oldest(self, layer: int) -> None:
         _, bucket = self._layers[layer].popitem(last=False)
-        self._bytes[layer] -= sum(e.nbytes for e in bucket)
-        self._entries[layer] -= len(bucket)
+        self._count(layer, -len(bucket), -sum(e.nbytes for e in bucket))
         self._evictions[layer] += 1
+
+    def _count(self, layer: int, entries: int, nbytes: int) -> None:
+        self._entries[layer] += entries
+        self._bytes[layer] += nbytes
+        self._total_bytes += nbytes
 
     def _shrink(self, layer: int, capacity: int) -> None:
         while len(self._layers[layer]) > capacity:
@@ -232,13 +238,11 @@ class CacheTier:
 
     def _enforce_budget(self, layer: int, newest_key) -> None:
         budget = self.settings.byte_budget
-        while int(self._bytes.sum()) > budget:
+        while self._total_bytes > budget:
             if self.settings.policy == "drop":
                 # Under drop, the newest entry is the one that does not fit.
                 bucket = self._layers[layer][newest_key]
-                old = bucket.pop()
-                self._bytes[layer] -= old.nbytes
-                self._entries[layer] -= 1
+                self._count(layer, -1, -bucket.pop().nbytes)
                 if not bucket:
                     del self._layers[layer][newest_key]
                 self._dropped[layer] += 1
@@ -257,7 +261,8 @@ class CacheTier:
         """(keys, entries, bytes, evictions, dropped) per layer, copied."""
         with self._lock:
             keys = np.array([len(d) for d in self._layers], np.int64)
-            return keys, self._entries.copy(), self._bytes.copy(), self._evictions.copy(), self._dropped.copy()
+            return keys, *(np.array(counts, np.int64)
+                           for counts in (self._entries, self._bytes, self._evictions, self._dropped))
 
 
 class PersistentTierView:
