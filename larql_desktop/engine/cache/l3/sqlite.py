@@ -151,7 +151,10 @@ class SqliteL3(L3Store):
     HIGH_WATER_SHARE = 0.75
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
-    RESYNC_EVERY = 256      # puts between re-reading the total size (other processes write too)
+    # Seconds between re-reads of the file's total size (other processes write too). Not per so many puts: the
+    # SUM scans the whole table (~100k values at the default cap), which at every batch of a busy server cost
+    # the writer, and the decode beside it on two cores, more than the batch's own writes.
+    RESYNC_EVERY = 5.0
     OCCUPANCY_EVERY = 2.0   # seconds between the writer's recounts of per-layer occupancy (kept up to date in between)
     REFRESH_EVERY = 0.5     # seconds between looks for other processes' inserts (KeyIndex.refresh)
     FILE_CHECK_EVERY = 0.05  # seconds between looks, by a lookup that cannot hit, for a file rebuilt elsewhere
@@ -177,7 +180,7 @@ class SqliteL3(L3Store):
         self._flushes = 0                                 # flush() calls waiting: the writer writes at once
         self.dropped_writes = 0                           # puts refused because the queue was full
         self._bytes = 0
-        self._puts = 0
+        self._resynced = time.monotonic()                 # of the total size from the file (RESYNC_EVERY)
         self._evictions: dict[int, int] = {}
         # Per-layer [entries, bytes], counted from the file at most every OCCUPANCY_EVERY seconds and updated
         # by this process's writes in between, so a statistics poll does not scan the table each time.
@@ -469,10 +472,8 @@ class SqliteL3(L3Store):
                         conn.executemany("UPDATE entries SET last_used=? WHERE ns=? AND layer=? AND key=?",
                                          [(t, ns, layer, key) for (ns, layer, key), t in touches.items()])
                     self._bytes += sum(c[2] for c in changes)
-                    before = self._puts
-                    self._puts += len(items)
-                    if self._puts // self.RESYNC_EVERY != before // self.RESYNC_EVERY:
-                        self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+                    if time.monotonic() - self._resynced >= self.RESYNC_EVERY:
+                        self._resync(conn)
                     if self._bytes > self.settings.max_bytes:
                         self._evict(conn, changes, evicted)
                     conn.execute("COMMIT")
@@ -539,10 +540,14 @@ class SqliteL3(L3Store):
         with self._writer_lock:   # the batch in flight, if any, has been committed
             return True
 
+    def _resync(self, conn) -> None:
+        self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+        self._resynced = time.monotonic()
+
     def _evict(self, conn, changes: list, evicted: list) -> None:
         """Delete least recently used entries down to 90% of the cap (hits' recency is written first); their
         addresses go to `evicted`."""
-        self._bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0])
+        self._resync(conn)
         target = int(self.settings.max_bytes * 0.9)
         while self._bytes > target:
             victims = conn.execute("SELECT rowid, ns, layer, key, nbytes FROM entries ORDER BY last_used "
