@@ -222,6 +222,12 @@ def test_steps_carry_alternatives_from_the_logits_and_layer_outcomes(smollm2, tm
     repeat = list(again.reply("Name a colour.", SamplingSettings(max_tokens=4)))
     assert [s.token_id for s in repeat] == [s.token_id for s in steps]
     assert all(o.outcome == "hit" and o.tier == "L2" for o in repeat[1].layers)   # the first chat filled L2
+    # A prompt rendered by the caller (the API's path) gets the same tokens, and no alternatives unless asked.
+    plain = list(engine.new_session().generate(ids, SamplingSettings(max_tokens=4)))
+    asked = list(engine.new_session().generate(ids, SamplingSettings(max_tokens=4), alternatives=True))
+    assert [s.token_id for s in plain] == [s.token_id for s in asked] == [s.token_id for s in steps]
+    assert all(s.alternatives == () for s in plain)
+    assert [s.alternatives for s in asked] == [s.alternatives for s in repeat]
 
     # Saved with the chat and read back for the token view (timings are not kept).
     path = tmp_path / CHATS_FILE

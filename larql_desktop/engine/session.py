@@ -112,13 +112,13 @@ class ChatSession:
         """What the chat template renders: the system prompt (if set and the model is a chat model), then turns."""
         return conversation(self.model, self.messages if messages is None else messages, self.system_prompt)
 
-    def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                      ) -> ReplyStream:
+    def _generate_for(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None,
+                      alternatives: bool = True) -> ReplyStream:
         result = ReplyStream()
-        return result.run(self._reply_steps(ids, settings, logprobs, result))
+        return result.run(self._reply_steps(ids, settings, logprobs, result, alternatives))
 
     def _reply_steps(self, ids: list[int], settings: SamplingSettings, logprobs: int | None,
-                     result: ReplyStream) -> Generator[TokenStep, None, None]:
+                     result: ReplyStream, alternatives: bool = True) -> Generator[TokenStep, None, None]:
         tok = self.model.tokenizer
         decoder: StreamDecoder | StopStringDecoder = tok.stream_decoder()
         if settings.stop:
@@ -147,7 +147,8 @@ class ChatSession:
             logits, layers = saved[1], saved[2]
             for step in decode(self.model.transformer, self.kv, logits, time.perf_counter() - started, ran,
                                self.ffn, settings, tok.stop_ids, decoder, self.model.context_limit, self.history,
-                               token_text=self._token_text, recorder=recorder, first_layers=layers,
+                               token_text=self._token_text if alternatives else None, recorder=recorder,
+                               first_layers=layers,
                                logprobs=logprobs):
                 reply.append(step.text)
                 self.messages[-1]["content"] = "".join(reply)
@@ -234,15 +235,17 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         return self._generate_for(ids, settings)
 
-    def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None
-                 ) -> ReplyStream:
+    def generate(self, ids: list[int], settings: SamplingSettings, logprobs: int | None = None,
+                 alternatives: bool = False) -> ReplyStream:
         """Stream a reply to a prompt the caller has already rendered and tokenised (the OpenAI-compatible API
         renders the client's messages, or takes raw completion text). Refused, changing nothing, if too long.
-        `logprobs` (0..20): each step carries its token's log probability and that many alternatives'."""
+        `logprobs` (0..20): each step carries its token's log probability and that many alternatives'.
+        `alternatives`: each step also carries the top alternatives the window's token view shows (a softmax
+        and five token texts per step, in each batched row's serial share of the step: the API sends none)."""
         if not ids:
             raise ValueError("the prompt is empty")
         self._check_fits(ids)
-        return self._generate_for(list(ids), settings, logprobs)
+        return self._generate_for(list(ids), settings, logprobs, alternatives)
 
     def regenerate(self, settings: SamplingSettings) -> ReplyStream:
         """Drop the last reply and generate it again from the same context."""
