@@ -107,7 +107,13 @@ def test_a_second_clients_greedy_repeat_is_served_from_l2_and_says_the_same(serv
     assert a["lookups"] == b["lookups"] == decode_lookups
     assert a["misses"] == a["lookups"] and a["hits"]["L2"] == 0
     assert b["hits"]["L2"] == b["lookups"] and b["misses"] == 0 and b["hits"]["L1"] == 0
-    assert a["bypasses"] == b["bypasses"] == {"prefill": n_layers}
+    # The prefill bypasses, a layer each per pass: the cold prompt's two (the chat template's head, its own
+    # question), the second's one (the head from the prefix cache).
+    ids = smollm2.encode_prompt(QUESTION)
+    passes = [len(list(engine.prefill_schedule.chunks(r.usage.prompt_tokens_details.cached_tokens, len(ids), ids)))
+              for r in (first, second)]
+    assert passes == [2, 1] and second.usage.prompt_tokens_details.cached_tokens == len(smollm2.template_head)
+    assert [a["bypasses"], b["bypasses"]] == [{"prefill": n_layers * p} for p in passes]
     # The engine's statistics moved by exactly the two requests' counts; no session is left open.
     assert _delta(_engine_counts(engine), before) == _added(_request_counts(a), _request_counts(b))
     assert engine.sessions == []

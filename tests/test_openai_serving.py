@@ -19,6 +19,7 @@ from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.model.overlay import Patch, PatchOperation
+from larql_desktop.engine.model.prefix_cache import PrefillSchedule
 from larql_desktop.tools.serve_load import run_serve_load
 from polling import wait_for
 
@@ -180,7 +181,44 @@ def test_a_prefix_hit_is_bit_identical_to_a_cold_prefill(name, request):
     # A prompt that differs inside the first chunk reuses nothing.
     other = LarqlEngine(model, prefill_chunk=32)
     _prefill_state(other.new_session(), ids[:10] + [ids[11]] + ids[11:])      # differs at position 10
-    assert other.prefix_cache.longest(other.kv_namespace(other.new_session().ffn), ids, 32) is None
+    assert other.prefix_cache.longest(other.kv_namespace(other.new_session().ffn), ids, other.prefill_schedule) is None
+
+
+def test_the_prefill_schedule_cuts_at_whole_chunks_and_at_the_template_heads_end():
+    head = tuple(range(100, 124))                     # a template head of 24 tokens
+    headed, plain = PrefillSchedule(64, head), PrefillSchedule(64)
+    chat, other = list(head) + [7] * 126, [7] * 150    # a prompt that starts with the head, and one that does not
+    assert list(headed.chunks(0, 150, chat)) == [(0, 24), (24, 64), (64, 128), (128, 150)]
+    assert list(headed.chunks(24, 40, chat)) == [(24, 40)] and list(headed.chunks(10, 30, chat)) == [(10, 24), (24, 30)]
+    assert list(headed.chunks(0, 150, other)) == list(plain.chunks(0, 150, chat)) == [(0, 64), (64, 128), (128, 150)]
+    assert [headed.floor(n, chat) for n in (0, 23, 24, 63, 64, 150)] == [0, 0, 24, 24, 64, 128]
+    assert [headed.floor(n, other) for n in (23, 24, 63, 64, 150)] == [0, 0, 0, 64, 128]
+    assert [headed.floor(n, chat[:20]) for n in (0, 20)] == [0, 0]           # too short to hold the head
+    long_head = PrefillSchedule(64, tuple(range(100)))
+    assert list(long_head.chunks(0, 150, list(range(150)))) == [(0, 64), (64, 100), (100, 128), (128, 150)]
+    with pytest.raises(ValueError):
+        PrefillSchedule(0)
+
+
+def test_a_new_conversation_reuses_the_chat_templates_head_bit_for_bit(smollm2, gemma3):
+    """Every SmolLM2 chat on the default system prompt starts with the same 24 tokens (its system turn and the
+    user turn's opening), fewer than a chunk: the prefill cuts a chunk there, so a new conversation reuses them
+    and runs only its own question, with what a cold prefill of it computes."""
+    first, second = (smollm2.encode_prompt([{"role": "user", "content": q}])
+                     for q in ("Where are the dinosaur skeletons?", "Name three colours of the rainbow."))
+    common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    engine = LarqlEngine(smollm2, walk=WalkSettings())
+    # Both prompts are shorter than a chunk: without the head's cut, nothing of them would be reused.
+    assert smollm2.template_head == tuple(second[:common]) and 0 < common < len(second) < engine.prefill_chunk
+    assert list(engine.prefill_schedule.chunks(0, len(second), second)) == [(0, common), (common, len(second))]
+    cold = _prefill_state(LarqlEngine(smollm2, walk=WalkSettings(), prefix_cache_bytes=0).new_session(), second)
+    _prefill_state(engine.new_session(), first)
+    session = engine.new_session()
+    _assert_same_state(_prefill_state(session, second), cold)
+    assert session.reused_tokens == common and engine.prefix_cache.stats().hits == 1
+    # A base model has no template: its prompts are cut at whole chunks only.
+    base = LarqlEngine(gemma3)
+    assert gemma3.template_head == () and base.prefill_schedule == PrefillSchedule(base.prefill_chunk)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
@@ -203,11 +241,11 @@ def test_a_prefix_hit_serves_exactly_what_a_cold_cache_does(served):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     warm, warm_entries = _greedy(client, _ask("Where can I see meteorites?"))
     shared = warm.usage.prompt_tokens_details.cached_tokens
-    chunk = engine.prefill_chunk
+    schedule = engine.prefill_schedule
     a, b = (engine.model.encode_prompt(_ask(q)) for q in ("Where are the dinosaur skeletons?",
                                                            "Where can I see meteorites?"))
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    assert shared == common - common % chunk > 0      # the shared system prompt, in whole chunks
+    assert shared == common - common % schedule.size > 0      # the shared system prompt, in whole chunks
     stats = client.get("/cache-stats", cast_to=object)["prefix_cache"]
     assert stats["hits"] == 1 and stats["reused_tokens"] == shared and 0 < stats["bytes"] <= stats["max_bytes"]
 
@@ -219,8 +257,8 @@ def test_a_prefix_hit_serves_exactly_what_a_cold_cache_does(served):
     # then the same decode steps.
     warm_cache, cold_cache = warm.model_extra["larql_cache"], cold.model_extra["larql_cache"]
     layers, n = engine.model.config.n_layers, warm.usage.prompt_tokens
-    assert warm_cache["bypasses"]["prefill"] == layers * -(-(n - shared) // chunk)
-    assert cold_cache["bypasses"]["prefill"] == layers * -(-n // chunk)
+    assert warm_cache["bypasses"]["prefill"] == layers * len(list(schedule.chunks(shared, n, b)))
+    assert cold_cache["bypasses"]["prefill"] == layers * len(list(schedule.chunks(0, n, b)))
     assert warm_cache["lookups"] == cold_cache["lookups"] > 0
     assert warm_cache["ffn_calls"] - warm_cache["bypasses"]["prefill"] == \
         cold_cache["ffn_calls"] - cold_cache["bypasses"]["prefill"]
@@ -235,8 +273,8 @@ def test_a_resent_conversation_reuses_its_previous_prompt(served):
         reply, _ = _greedy(client, messages, n=12)
         if turn:
             # The previous turn's prompt in whole chunks (its reply was decoded: it is prefilled once, now).
-            chunk = engine.prefill_chunk
-            assert reply.usage.prompt_tokens_details.cached_tokens == previous_prompt - previous_prompt % chunk
+            assert reply.usage.prompt_tokens_details.cached_tokens == \
+                previous_prompt - previous_prompt % engine.prefill_chunk   # its own system prompt: no head cut
         previous_prompt = reply.usage.prompt_tokens
         messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
                                {"role": "user", "content": f"And what else is in hall {turn + 2}?"}]
@@ -372,8 +410,14 @@ def test_a_short_prompt_arriving_during_a_long_prefill_runs_before_the_rest_of_i
     chunk = engine.prefill_chunk
     long_ids = smollm2.tokenizer.encode(MINERALS * 20)[:5 * chunk]
     short_ids = smollm2.encode_prompt(QUESTION)
-    assert len(short_ids) < chunk                   # its prompt runs in one step, which samples its first token
+    assert len(short_ids) < chunk
     greedy = SamplingSettings(max_tokens=3)
+    # A chat served before, as on any running server, left the chat template's head in the prefix cache: the
+    # short prompt's own question is what runs, in one step, which samples its first token.
+    earlier = CompletionRun(engine, smollm2.encode_prompt([{"role": "user", "content": "Hi."}]), greedy)
+    while not earlier.finished:
+        earlier.step()
+    earlier.close()
     turns = FairTurns()
     runs = {"long": CompletionRun(engine, long_ids, greedy, pause=turns.newcomer_shorter_than),
             "short": CompletionRun(engine, short_ids, greedy, pause=turns.newcomer_shorter_than)}
@@ -461,9 +505,9 @@ def test_the_serve_load_mode_runs_against_the_server(served):
     report = run_serve_load(handle.url, None, turns=3, max_tokens=4, shared_clients=2, client_counts=(1, 2),
                             replies=1, long_tokens=128, beside_delay=0.0, sizes=(64,))
     assert report["model"] == "smollm2" and [r["turn"] for r in report["multi_turn"]] == [1, 2, 3]
-    chunk = engine.prefill_chunk
     for before, after in zip(report["multi_turn"], report["multi_turn"][1:]):
-        assert after["cached_tokens"] == before["prompt_tokens"] - before["prompt_tokens"] % chunk
+        # (a system prompt of its own: whole chunks, no template head)
+        assert after["cached_tokens"] == before["prompt_tokens"] - before["prompt_tokens"] % engine.prefill_chunk
     assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
     assert [r["clients"] for r in report["aggregate"]] == [1, 2]
     assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])

@@ -22,7 +22,7 @@ from larql_desktop.engine.heap import return_freed_memory
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
-from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
+from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefillSchedule, PrefixCache
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file, parse_patch
 
@@ -104,9 +104,8 @@ class LarqlEngine:
         self.sessions: list[ChatSession] = []
         # Prompts' KV shared by every session (API requests and chats); see engine/model/prefix_cache.py.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        if prefill_chunk < 1:
-            raise ValueError(f"a prefill chunk must hold at least one position, not {prefill_chunk}")
         self.prefill_chunk = prefill_chunk            # positions per prefill pass (a server interleaves between)
+        self.prefill_schedule = PrefillSchedule(prefill_chunk, model.template_head)
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []
@@ -163,11 +162,12 @@ class LarqlEngine:
     def kv_namespace(self, ffn) -> tuple | None:
         """What the KV of a prompt run through `ffn` depends on besides its tokens (the prefix cache's namespace):
         the model, the FFN graphs' numerics, the walk settings, the INSERT patches' epoch, which cache tiers are on
-        (with every tier off a walk layer runs in another graph) and the prefill chunk (the passes' shapes). None for an FFN this engine did not make."""
+        (with every tier off a walk layer runs in another graph) and the prefill schedule (the passes' shapes). None
+        for an FFN this engine did not make."""
         if not isinstance(ffn, WalkFfn):
             return None
         return (self.model.checksum, ffn.graphs.numerics, ffn.settings, ffn.patches.epoch,
-                tuple(sorted(self._enabled().items())), self.prefill_chunk)
+                tuple(sorted(self._enabled().items())), self.prefill_schedule)
 
     def new_session(self) -> ChatSession:
         n = self.model.config.n_layers
@@ -175,7 +175,7 @@ class LarqlEngine:
         with self._lock:
             session = ChatSession(self.model, self._walk_for(l1, stats), l1=l1, stats=stats,
                                   prefix_cache=self.prefix_cache, kv_namespace=self.kv_namespace,
-                                  prefill_chunk=self.prefill_chunk)
+                                  prefill=self.prefill_schedule)
             self.sessions.append(session)
         return session
 

@@ -1,6 +1,7 @@
 """Loading a model end to end: GGUF, tokenizer, chat template, weights and ONNX FFN graphs."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -120,6 +121,18 @@ class LoadedModel:
     @property
     def context_limit(self) -> int:
         return min(self.config.context_length, 8192)
+
+    @functools.cached_property
+    def template_head(self) -> tuple[int, ...]:
+        """The tokens every chat prompt on the template's default system prompt starts with (SmolLM2: 24, its
+        system turn and the opening of the user's), found as two one-turn prompts' common prefix; none for a base
+        model. The prefill cuts a chunk there (prefix_cache.PrefillSchedule), so each new conversation reuses
+        them from the prefix cache."""
+        if not self.is_chat:
+            return ()
+        first, second = (self.encode_prompt([{"role": "user", "content": text}]) for text in ("Hello", "Why"))
+        n = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), min(len(first), len(second)))
+        return tuple(first[:n])
 
 
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:

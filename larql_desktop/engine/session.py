@@ -14,7 +14,7 @@ from larql_desktop.engine.cache.walk import WalkFfn
 from larql_desktop.engine.model.generation import SamplingSettings, TokenStep, decode
 from larql_desktop.engine.model.stops import StopStringDecoder
 from larql_desktop.engine.model.outcomes import LayerOutcome, OutcomeRecorder
-from larql_desktop.engine.model.prefix_cache import PrefixCache, prefill_chunks
+from larql_desktop.engine.model.prefix_cache import PrefillSchedule, PrefixCache
 from larql_desktop.engine.model.transformer import FfnCall, KvCache
 from larql_desktop.engine.formats.tokenizer import StreamDecoder
 from larql_desktop.engine.loading import LoadedModel, conversation
@@ -66,12 +66,13 @@ class ChatSession:
     def __init__(self, model: LoadedModel, ffn: FfnCall | None = None, l1: CacheTier | None = None,
                  stats: CacheStats | None = None, prefix_cache: PrefixCache | None = None,
                  kv_namespace: Callable[[FfnCall], Hashable | None] | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill: PrefillSchedule | None = None):
         self.model = model
         # The engine's shared KV prefix cache, and what names the KV an FFN computes (None: not shareable).
         self.prefix_cache = prefix_cache
         self.kv_namespace = kv_namespace
-        self.prefill_chunk = prefill_chunk
+        # Where prompts are cut into passes (the engine's, for every session sharing its prefix cache).
+        self.prefill = prefill or PrefillSchedule(PREFILL_CHUNK, model.template_head)
         self.exact_length = 0           # leading KV positions bit-identical to a cold prefill of `history`
         self.reused_tokens = 0          # positions the latest prefill took from the prefix cache
         self._prefill_ran = 0           # positions the latest prefill ran
@@ -159,7 +160,7 @@ class ChatSession:
 
     def prefill_steps(self, ids: list[int], pause: Callable[[int], bool] | None = None
                       ) -> Generator[int, None, None]:
-        """Run the prompt `ids` into the KV cache, one chunk of at most `prefill_chunk` positions per `next()`
+        """Run the prompt `ids` into the KV cache, one chunk of the prefill schedule per `next()`
         (a server interleaves other requests' steps between them), yielding the positions still to run (0 after the
         last chunk); a reply to `ids` then starts from its logits without running anything. Reuses the KV cache's
         own longest common prefix, or a longer one from the shared prefix cache, and stores the prompt there when
@@ -177,13 +178,13 @@ class ChatSession:
                 break
             common += 1
         common = min(common, len(ids) - 1)    # at least one position runs: its logits start the reply
-        exact = min(self.exact_length, common)
-        exact -= exact % self.prefill_chunk   # whole chunks only: a cut one was computed beside other tokens
+        # Whole chunks only: a cut one was computed beside other tokens.
+        exact = self.prefill.floor(min(self.exact_length, common), ids)
         prefix_cache = self.prefix_cache
         namespace = self.kv_namespace(ffn) if self.kv_namespace is not None and prefix_cache is not None else None
         self.reused_tokens = 0
         if namespace is not None and prefix_cache is not None:
-            hit = prefix_cache.longest(namespace, ids, self.prefill_chunk)
+            hit = prefix_cache.longest(namespace, ids, self.prefill)
             if hit is not None and hit.length > common:
                 hit.copy_into(self.kv)
                 self.history[:] = ids[:hit.length]
@@ -195,7 +196,7 @@ class ChatSession:
         if isinstance(ffn, WalkFfn):
             ffn.add_observer(recorder)
         logits = None
-        for start, stop in prefill_chunks(common, len(ids), self.prefill_chunk):
+        for start, stop in self.prefill.chunks(common, len(ids), ids):
             recorder.start()
             passing = self.model.transformer.forward_by_layer(ids[start:stop], self.kv, ffn)
             stopped = False
@@ -214,8 +215,8 @@ class ChatSession:
         layers = recorder.take()
         # Whole chunks run as a cold prefill runs them, after exact positions only, are exact (the last, partial
         # one is not: a longer prompt runs those positions in a whole chunk).
-        whole = len(ids) - len(ids) % self.prefill_chunk
-        self.exact_length = whole if exact == common and common % self.prefill_chunk == 0 else exact
+        whole = self.prefill.floor(len(ids), ids)
+        self.exact_length = whole if exact == common and self.prefill.floor(common, ids) == common else exact
         self._prefill_ran = len(ids) - common
         self._prompt_logits = (tuple(ids), logits, layers,
                                ffn.stepper.pass_end() if isinstance(ffn, WalkFfn) else None)

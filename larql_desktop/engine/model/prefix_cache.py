@@ -6,22 +6,23 @@ llama.cpp's server (`cache_prompt`) and vLLM's automatic prefix caching do.
 What makes a reuse exact (a hit is bit-identical to recomputing the prefix):
   * Entries are namespaced by everything the KV of a prompt depends on besides its tokens: the caller passes it
     (LarqlEngine.kv_namespace: the model's checksum, the FFN graphs' numerics, the FFN settings, the INSERT patches'
-    epoch, which cache tiers are on, the prefill chunk size). A patch applied or a setting changed makes a new
+    epoch, which cache tiers are on, the prefill schedule). A patch applied or a setting changed makes a new
     namespace, so a stale prefix is never found; its entries age out by LRU (a patch removed again brings them
     back into use, still valid).
-  * A prompt is prefilled in chunks aligned to multiples of the chunk size (`prefill_chunks`), with or without a
-    hit, and only whole aligned chunks are stored and reused. onnxruntime's kernels do not give a row the same
-    result whatever pass it is in (measured: a row of a 129-position pass differs from the same row in a
-    128-position one, Gemma's attention rows differ below and above 64 positions, a one-position decode step
-    differs from a prefill row), but the same pass over the same inputs gives the same result: so a hit reuses
-    exactly the chunks a cold prefill would compute, and computes the rest as a cold prefill would.
-    A reply's own tokens (decode steps) are never stored: the next turn prefills them once, in chunks.
+  * A prompt is prefilled in chunks cut at the same places (`PrefillSchedule`: multiples of the chunk size, and the
+    end of the chat template's fixed head in a prompt that starts with it), with or without a hit, and only whole
+    chunks are stored and reused. onnxruntime's kernels do not give a row the same result whatever pass it is in
+    (measured: a row of a 129-position pass differs from the same row in a 128-position one, Gemma's attention rows
+    differ below and above 64 positions, a one-position decode step differs from a prefill row), but the same pass
+    over the same inputs gives the same result: so a hit reuses exactly the chunks a cold prefill would compute, and
+    computes the rest as a cold prefill would. A reply's own tokens (decode steps) are never stored: the next turn
+    prefills them once, in chunks.
 
-Reuse is at chunk granularity: the entry with the longest common prefix with the prompt, cut to whole chunks and
-leaving at least one position to run. Entries are whole chunks of prompts' KV rows (no block sharing: prompts
-sharing a system prompt each hold their own copy); storing a prompt that extends an entry replaces that entry, so a
-conversation holds one entry, not one per turn. Bounded by bytes, least recently used first out; an entry larger
-than the whole budget is not stored.
+Reuse is at chunk granularity (a new conversation reuses the template's head): the entry with the longest common
+prefix with the prompt, cut to whole chunks and leaving at least one position to run. Entries are whole chunks of
+prompts' KV rows (no block sharing: prompts sharing a system prompt each hold their own copy); storing a prompt that
+extends an entry replaces that entry, so a conversation holds one entry, not one per turn. Bounded by bytes, least
+recently used first out; an entry larger than the whole budget is not stored.
 """
 from __future__ import annotations
 
@@ -99,9 +100,10 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def longest(self, namespace: Hashable, ids: Sequence[int], chunk: int) -> PrefixHit | None:
-        """The longest stored prefix of `ids` under `namespace` in whole chunks of `chunk` positions, leaving at
-        least one position to run (None: nothing to reuse). Counts a lookup, and a hit when something is reused."""
+    def longest(self, namespace: Hashable, ids: Sequence[int], schedule: PrefillSchedule) -> PrefixHit | None:
+        """The longest stored prefix of `ids` under `namespace` in whole chunks of the prefill `schedule`, leaving
+        at least one position to run (None: nothing to reuse). Counts a lookup, and a hit when something is
+        reused."""
         if not self.enabled:
             return None
         want = np.asarray(ids, dtype=np.int64)
@@ -112,8 +114,7 @@ class PrefixCache:
             for key, entry in self._entries.items():
                 if key[0] != namespace:
                     continue
-                n = min(common_prefix(entry.ids, want), limit)
-                n -= n % chunk
+                n = schedule.floor(min(common_prefix(entry.ids, want), limit), ids)
                 if n > best_len:
                     best, best_key, best_len = entry, key, n
             if best is None or best_key is None:
@@ -176,13 +177,40 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def prefill_chunks(start: int, end: int, size: int):
-    """(from, to) position ranges covering start..end, cut at the multiples of `size`: the passes a prefill runs
-    are the same whether it starts at 0 or at a whole chunk a prefix hit supplied."""
-    if size < 1:
-        raise ValueError(f"a prefill chunk must hold at least one position, not {size}")
-    pos = start
-    while pos < end:
-        stop = min((pos // size + 1) * size, end)
-        yield pos, stop
-        pos = stop
+@dataclass(frozen=True)
+class PrefillSchedule:
+    """Where a prefill cuts a prompt into passes: at the multiples of `size`, and, in a prompt that starts with
+    `head` (the chat template's fixed head: the tokens every conversation on the model's default system prompt
+    starts with, SmolLM2's 24), at the head's end, so the head is a whole chunk of its own, reused by every new
+    conversation from the prefix cache rather than prefilled again. Other prompts (a system prompt of the
+    user's, plain completions) are not cut there: for them the cut would be one more pass for nothing.
+    The cuts depend only on the prompt's own tokens, so the passes a prefill runs are the same whether it starts
+    at 0 or at a cut a prefix hit supplied."""
+    size: int
+    head: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"a prefill chunk must hold at least one position, not {self.size}")
+
+    def _head_cut(self, ids: Sequence[int]) -> int:
+        n = len(self.head)
+        return n if n and len(ids) >= n and tuple(ids[:n]) == self.head else 0
+
+    def floor(self, n: int, ids: Sequence[int]) -> int:
+        """The last cut at or before position n of the prompt `ids` (0 when there is none)."""
+        whole = n - n % self.size
+        head = self._head_cut(ids)
+        return max(whole, head) if head <= n else whole
+
+    def chunks(self, start: int, end: int, ids: Sequence[int]):
+        """(from, to) position ranges covering start..end of the prompt `ids`, cut at its cuts."""
+        head = self._head_cut(ids)
+        pos = start
+        while pos < end:
+            stop = (pos // self.size + 1) * self.size
+            if pos < head < stop:
+                stop = head
+            stop = min(stop, end)
+            yield pos, stop
+            pos = stop
