@@ -31,7 +31,8 @@ from larql_desktop.engine.cache.tiers import CacheEntry, DEFAULT_MAX_DISTANCE, H
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.graphs.store import GraphStore, file_digest, make_model
+from larql_desktop.engine.graphs.decoder import OnnxDecoder
+from larql_desktop.engine.graphs.store import GraphStore, file_digest, make_model, release_read_pages
 from larql_desktop.engine.loading import load_model
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
@@ -498,3 +499,38 @@ def test_the_checks_per_hit_and_per_load_pass_on_good_data(smollm2, gemma3, real
             fmt = json.loads(manifest.read_text())["format"]
             store = GraphStore(model.ffn.directory, manifest.name, fmt)
             assert store._manifest and all(store.is_valid(name) for name in store._manifest)
+
+
+def _resident_kb(path: Path) -> int:
+    """Resident kilobytes of this process's mappings of `path` (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) == 6 and fields[5] == str(path.resolve())
+        elif inside and fields[:1] == ["Rss:"]:
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and releases pages through /proc and madvise")
+def test_the_decoders_weight_file_pages_are_released_once_prepacked_and_read_back_the_same(smollm2, app_paths):
+    """onnxruntime maps the optimised decoder's weights file and reads it to prepack its weights: a load drops
+    the pages it read (they would stay resident beside the prepacked copies). A page read again comes back from
+    the file: a decode after another release computes the same logits, bit for bit."""
+    # A load of its own: the session fixture's first load may have run on the graph as exported (making the
+    # optimised copy), which maps no weights file.
+    decoder = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir)
+    decoder.load_sessions()
+    data = next(decoder.directory.glob("decoder.optimized-ort*.onnx.data"))
+    assert data.stat().st_size > 50 * 2 ** 20 and _resident_kb(data) == 0          # of a 100 MB file
+    ids = np.array(smollm2.encode_prompt([{"role": "user", "content": PROMPT}]), np.int64)
+
+    def dense_logits() -> np.ndarray:
+        return decoder.run(smollm2.transformer.embed(ids), 0, KvCache(smollm2.config), smollm2.transformer.rope)
+
+    before = dense_logits()
+    assert release_read_pages(data) > 0 and _resident_kb(data) == 0
+    assert np.array_equal(dense_logits(), before)
+    assert np.argmax(before[-1]) == np.argmax(smollm2.transformer.decoder.run(
+        smollm2.transformer.embed(ids), 0, KvCache(smollm2.config), smollm2.transformer.rope)[-1])

@@ -11,10 +11,13 @@ not hashed again while its identity and change time (ctime, which no one can set
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from functools import partial
@@ -76,6 +79,44 @@ def _start_environment() -> None:
     opts = ort.SessionOptions()
     opts.use_per_session_threads = False
     ort.InferenceSession(model.SerializeToString(), opts, providers=PROVIDERS)
+
+
+MADV_DONTNEED = 4
+
+
+def release_read_pages(path: Path) -> int:
+    """Drop from this process's memory the pages of `path` it has mapped and only read, and return the bytes of
+    the mappings released (0 off Linux). onnxruntime maps an optimised copy's external weights (privately, one
+    mapping per initializer) and reads them once, to prepack them into its own buffers; the pages it read would
+    otherwise stay resident beside those copies (SmolLM2's decoder: 17 MB) for nothing. The mappings stay: a page
+    read again is read back from the file. Only a mapping none of whose pages was written is released (no
+    anonymous page: a page written in a private mapping becomes a copy of its own, which releasing would lose;
+    every other page is the file's own, in the page cache)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        target = str(Path(path).resolve())
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return 0
+    mappings: list[tuple[int, int]] = []
+    current: tuple[int, int] | None = None
+    for line in lines:
+        fields = line.split(None, 5)
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):     # a mapping's first line
+            current = None
+            if len(fields) == 6 and fields[5] == target:
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                current = (start, end)
+        elif current is not None and fields[:1] == ["Anonymous:"] and fields[1] == "0":
+            mappings.append(current)
+    released = 0
+    for start, end in mappings:
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
+            released += end - start
+    return released
 
 
 def shared_pool_workers() -> tuple[int, ...]:
@@ -306,6 +347,7 @@ class GraphStore:
                 log.info("the optimised copy %s does not load; making it again", copy)
             else:
                 self._drop(name)      # an export left from an interrupted replacement
+                release_read_pages(self.directory / data)
                 return session
         source = self.ensure(name, build, message, fraction)
         try:
