@@ -198,6 +198,8 @@ def test_the_prefill_schedule_cuts_at_whole_chunks_and_at_the_template_heads_end
     assert list(long_head.chunks(0, 150, list(range(150)))) == [(0, 64), (64, 100), (100, 128), (128, 150)]
     with pytest.raises(ValueError):
         PrefillSchedule(0)
+    # A head shorter than a quarter of a chunk (a bare turn opening) is not worth a pass of its own.
+    assert PrefillSchedule.for_template(64, head) == headed and PrefillSchedule.for_template(64, head[:15]) == plain
 
 
 def test_a_new_conversation_reuses_the_chat_templates_head_bit_for_bit(smollm2, gemma3):

@@ -105,7 +105,7 @@ class LarqlEngine:
         # Prompts' KV shared by every session (API requests and chats); see engine/model/prefix_cache.py.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefill_chunk = prefill_chunk            # positions per prefill pass (a server interleaves between)
-        self.prefill_schedule = PrefillSchedule(prefill_chunk, model.template_head)
+        self.prefill_schedule = PrefillSchedule.for_template(prefill_chunk, model.template_head)
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []

@@ -193,6 +193,13 @@ class PrefillSchedule:
         if self.size < 1:
             raise ValueError(f"a prefill chunk must hold at least one position, not {self.size}")
 
+    @classmethod
+    def for_template(cls, size: int, head: Sequence[int]) -> "PrefillSchedule":
+        """The schedule of a model whose chat template starts every prompt with `head`: cut there only when the
+        head is worth a pass of its own (a quarter of a chunk or more; a template's bare turn opening, 3 or 4
+        tokens, would cost every cold prompt a pass to save a few positions)."""
+        return cls(size, tuple(head) if len(head) >= size / 4 else ())
+
     def _head_cut(self, ids: Sequence[int]) -> int:
         n = len(self.head)
         return n if n and len(ids) >= n and tuple(ids[:n]) == self.head else 0
