@@ -12,7 +12,6 @@ not hashed again while its identity and change time (ctime, which no one can set
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import json
 import logging
@@ -98,7 +97,7 @@ def release_read_pages(path: Path) -> int:
         target = str(Path(path).resolve())
         with open("/proc/self/smaps") as smaps:
             lines = smaps.read().splitlines()
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)     # this process's symbols, libc's among them (no ldconfig run)
     except OSError:
         return 0
     mappings: list[tuple[int, int]] = []
