@@ -104,7 +104,7 @@ class LarqlEngine:
         self.sessions: list[ChatSession] = []
         # Prompts' KV shared by every session (API requests and chats); see engine/model/prefix_cache.py.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self.prefill_chunk = prefill_chunk            # positions per prefill pass (a server interleaves between)
+        # Where prompts are cut into passes (a server interleaves other requests' steps between them).
         self.prefill_schedule = PrefillSchedule.for_template(prefill_chunk, model.template_head)
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
@@ -158,6 +158,11 @@ class LarqlEngine:
             walk = replace(walk, top_k=top_k, key_width=width)
         return WalkFfn(self.model.ffn, walk, model_checksum=self.model.checksum, l2=self.l2, l3=self.l3,
                        observers=(self.stats,), patches=self.patches, trace=self.trace)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Positions per prefill pass (the schedule's chunk size)."""
+        return self.prefill_schedule.size
 
     def kv_namespace(self, ffn) -> tuple | None:
         """What the KV of a prompt run through `ffn` depends on besides its tokens (the prefix cache's namespace):

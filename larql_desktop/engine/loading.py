@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from larql_desktop.engine.catalog import ModelSpec, Progress, resolve_model
 from larql_desktop.engine.formats.chat_template import render_chat
 from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.model.prefix_cache import common_prefix
 from larql_desktop.engine.graphs.blocks import OnnxBlocks
 from larql_desktop.engine.graphs.decoder import OnnxDecoder
 from larql_desktop.engine.graphs.ffn import OnnxFfn
@@ -131,8 +134,7 @@ class LoadedModel:
         if not self.is_chat:
             return ()
         first, second = (self.encode_prompt([{"role": "user", "content": text}]) for text in ("Hello", "Why"))
-        n = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), min(len(first), len(second)))
-        return tuple(first[:n])
+        return tuple(first[:common_prefix(np.asarray(first), np.asarray(second))])
 
 
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
