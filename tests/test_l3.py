@@ -376,10 +376,11 @@ def test_a_full_write_queue_drops_writes_instead_of_waiting(tmp_path):
     store.close()
 
 
-def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
+def test_writes_wait_for_a_quiet_moment_or_a_flush(tmp_path):
     """The writer does not write while values keep arriving (decode puts one per layer every few ms; on two
     cores a writer running then takes CPU from it); lookups see the queue meanwhile. It writes once values stop
-    for QUIET seconds, at once when flush() asks, and without waiting when the queue reaches its high water."""
+    for QUIET seconds, or at once when flush() asks. A full queue does not make it write: further values are
+    dropped (counted), and a dropped value is activity, so the writer still waits."""
     path = tmp_path / "l3.sqlite3"
     store = SqliteL3(path)
     # A quiet moment far longer than the test: whatever is written below was written for another reason.
@@ -399,14 +400,15 @@ def test_writes_wait_for_a_quiet_moment_a_flush_or_a_full_queue(tmp_path):
     store.put(0, NS, 100, _entry(100))
     assert store.flush(10) and rows() == 31        # a flush writes at once, with no quiet moment
 
-    store.QUEUE_LIMIT, store.HIGH_WATER_SHARE = 8, 0.5
-    for k in range(200, 204):        # the high water mark: 4 of 8, written without waiting for quiet
-        store.put(0, NS, k, _entry(k))
-    assert rows_reach(35)
-
-    store.QUIET = 0.2                # values stop: the next put wakes the writer, which writes once quiet
-    store.put(0, NS, 300, _entry(300))
-    assert rows_reach(36) and store.status()["queued_writes"] == 0
+    # The next burst's first value wakes the writer to wait for a quiet moment of QUIET seconds: short
+    # enough for the test to see it come, long against twelve puts and a look at the file.
+    store.QUEUE_LIMIT, store.QUIET = 8, 3.0
+    taken = [store.put(0, NS, k, _entry(k)) for k in range(200, 212)]   # a full queue: four dropped
+    assert taken == [True] * 8 + [False] * 4 and store.dropped_writes == 4
+    assert rows() == 31 and store.status()["queued_writes"] == 8       # and none written for it
+    assert np.array_equal(store.get(0, NS, 207).output, _entry(207).output)
+    assert rows_reach(39)            # values stopped: the writer writes the queue once quiet and store.status()["queued_writes"] == 0
+    assert store.get(0, NS, 211) is None
     store.close()
 
 
@@ -514,14 +516,16 @@ from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.cache.walk import CacheEntry
 store = SqliteL3(sys.argv[1])
 ns = ("checksum", 100, 100, "clean")
+store.QUIET = 0.05
 k = 0
-while True:                      # a stream of misses, each written behind, until the parent kills us
+while True:                      # replies of misses, each written behind, until the parent kills us
     value = np.full(256, k, np.float32)
     store.put(k % 30, ns, k, CacheEntry(value, -value))
     k += 1
     if k % 300 == 0:
         status = store.status()    # committed: accepted, and no longer queued
         print(k, status["queued_writes"], k - status["dropped_writes"] - status["queued_writes"], flush=True)
+        time.sleep(0.1)            # between replies: the writer's quiet moment (it writes only then)
 """
 
 

@@ -144,11 +144,14 @@ class SqliteL3(L3Store):
     backend = "sqlite"
     QUEUE_LIMIT = 8192      # values waiting to be written; beyond it a write is dropped (never waited for)
     BATCH = 512             # values per write transaction
-    # The writer waits for a quiet moment: QUIET seconds without a new value (decode puts one per layer every
-    # few milliseconds, so it writes between replies), unless the queue is HIGH_WATER_SHARE full, flush() asks
-    # or the store closes. On two cores a writer that runs during decode takes CPU and the GIL from it.
+    # The writer waits for a quiet moment: QUIET seconds without a value offered (decode offers one per layer
+    # every few milliseconds, so it writes between replies), unless flush() asks or the store closes. On two
+    # cores a writer that runs during decode takes CPU and the GIL from it: with 8 clients decoding, writing
+    # whenever the queue was three-quarters full gave the writer ~30% of the samples and cost a quarter of the
+    # aggregate tok/s. So a queue that fills while decode goes on drops further values (counted in
+    # dropped_writes): the persistent tier keeps the first QUEUE_LIMIT values of a busy spell, and serves them
+    # from the queue until the writer gets its quiet moment.
     QUIET = 0.25
-    HIGH_WATER_SHARE = 0.75
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
     # Seconds between re-reads of the file's total size (other processes write too). Not per so many puts: the
@@ -382,11 +385,11 @@ class SqliteL3(L3Store):
                     continue
                 self._pending[address] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
                 taken += 1
-                # Only the first value of a burst and a high queue wake the writer: a wake-up per value
-                # would hand the GIL to it 30 times a token.
-                if len(self._pending) == 1 or len(self._pending) == self._high_water():
+                # Only the first value of a burst wakes the writer (to wait for the quiet moment): a wake-up
+                # per value would hand the GIL to it 30 times a token.
+                if len(self._pending) == 1:
                     self._wake_writer()
-            if taken:
+            if taken or dropped:    # a dropped value is activity too: decode goes on, so the writer waits
                 self._last_activity = time.monotonic()
             self.dropped_writes += dropped
         if dropped:
@@ -400,9 +403,6 @@ class SqliteL3(L3Store):
             self._writer = threading.Thread(target=self._writer_loop, name="l3-writer", daemon=True)
             self._writer.start()
         self._queued.notify_all()
-
-    def _high_water(self) -> int:
-        return max(1, int(self.QUEUE_LIMIT * self.HIGH_WATER_SHARE))
 
     def _writer_loop(self) -> None:
         while True:
@@ -423,9 +423,9 @@ class SqliteL3(L3Store):
                 self._closing.wait(delay)
 
     def _wait_for_quiet(self) -> None:
-        """With _queued held: until QUIET seconds have passed since the last put or hit, the queue reaches its high
-        water mark, flush() waits or the store closes."""
-        while not (self._closing.is_set() or self._flushes or len(self._pending) >= self._high_water()):
+        """With _queued held: until QUIET seconds have passed since the last put (taken or dropped) or hit,
+        flush() waits or the store closes."""
+        while not (self._closing.is_set() or self._flushes):
             left = self.QUIET - (time.monotonic() - self._last_activity)
             if left <= 0:
                 return
