@@ -405,6 +405,7 @@ def test_writes_wait_for_a_quiet_moment_or_a_flush(tmp_path):
     store.QUEUE_LIMIT, store.QUIET = 8, 3.0
     taken = [store.put(0, NS, k, _entry(k)) for k in range(200, 212)]   # a full queue: four dropped
     assert taken == [True] * 8 + [False] * 4 and store.dropped_writes == 4
+    assert store.occupancy(2)[4].tolist() == [4, 0]                     # the monitor's "dropped", per layer
     assert rows() == 31 and store.status()["queued_writes"] == 8       # and none written for it
     assert np.array_equal(store.get(0, NS, 207).output, _entry(207).output)
     assert rows_reach(39)            # values stopped: the writer writes the queue once quiet and store.status()["queued_writes"] == 0

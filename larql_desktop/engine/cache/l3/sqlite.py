@@ -182,6 +182,7 @@ class SqliteL3(L3Store):
         self._last_activity = 0.0                         # time.monotonic() of the newest queued value or hit
         self._flushes = 0                                 # flush() calls waiting: the writer writes at once
         self.dropped_writes = 0                           # puts refused because the queue was full
+        self._dropped: dict[int, int] = {}                # the same, per layer (occupancy's `dropped`)
         self._bytes = 0
         self._resynced = time.monotonic()                 # of the total size from the file (RESYNC_EVERY)
         self._evictions: dict[int, int] = {}
@@ -382,6 +383,7 @@ class SqliteL3(L3Store):
                 address = (ns, layer, key)
                 if address not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
                     dropped += 1
+                    self._dropped[layer] = self._dropped.get(layer, 0) + 1
                     continue
                 self._pending[address] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
                 taken += 1
@@ -580,6 +582,10 @@ class SqliteL3(L3Store):
             for layer, count in self._evictions.items():
                 if 0 <= layer < n_layers:
                     evictions[layer] = count
+            with self._queued:
+                for layer, count in self._dropped.items():
+                    if 0 <= layer < n_layers:
+                        dropped[layer] = count
             conn = self._conn_or_none()
             if conn is None:
                 return keys, entries, nbytes, evictions, dropped
