@@ -28,11 +28,9 @@ from __future__ import annotations
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPass, ServedPass, WalkedPass,
@@ -41,6 +39,13 @@ from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPa
 from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
+from larql_desktop.engine.graphs.onnx_deferred import FLOAT
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+else:
+    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
 MANIFEST = "batched.manifest.json"
@@ -49,7 +54,6 @@ WALKED_FILE = "decoder.batched_walked.onnx"
 SERVED_FILE = "decoder.batched_served.onnx"
 REPLAY_FILE = "decoder.batched_replay.onnx"
 MIXED_FILE = "decoder.batched_mixed.onnx"
-FLOAT = TensorProto.FLOAT
 # The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
 _SEQUENCE_SHAPE = "_3d_shape"
 

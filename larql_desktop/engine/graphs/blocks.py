@@ -23,17 +23,23 @@ from __future__ import annotations
 import threading
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.graphs.ffn import linear
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.formats.quants import dequantize
+from larql_desktop.engine.graphs.onnx_deferred import FLOAT
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+else:
+    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 BLOCK_EXPORT_FORMAT = 5   # bump when these graphs change, so old exports are rebuilt (5: the head in row slices)
 
@@ -44,7 +50,6 @@ HEAD_NODE_BYTES = 8 << 20
 
 
 MANIFEST = "blocks.manifest.json"
-FLOAT = TensorProto.FLOAT
 
 
 def _f32(gguf: GgufFile, name: str) -> np.ndarray:

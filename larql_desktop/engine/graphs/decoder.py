@@ -39,16 +39,22 @@ import threading
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.graphs.blocks import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_graph
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.graphs.ffn import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph, build_walk_top_k_graph
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
+from larql_desktop.engine.graphs.onnx_deferred import FLOAT
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+else:
+    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 # The decoder is rebuilt whenever the graphs it is made of change.
 DECODER_EXPORT_FORMAT = f"decoder2-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"   # 2: no head in served/walked
@@ -57,7 +63,6 @@ FILE = "decoder.onnx"
 SERVED_FILE = "decoder.served.onnx"
 REPLAY_FILE = "decoder.replay.onnx"
 WALKED_FILE = "decoder.walked.onnx"
-FLOAT = TensorProto.FLOAT
 
 
 def rope_bases(cfg: ModelConfig) -> list[float]:

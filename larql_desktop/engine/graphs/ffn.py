@@ -16,16 +16,21 @@ from __future__ import annotations
 import threading
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.model.transformer import KvCache, TransformerModel
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import OPSET, Binding, GraphStore, LazySessions, Progress, make_model, session_options, write_atomic  # noqa: F401
 from larql_desktop.engine.formats.quants import NBitsWeight, QuantError, dequantize, make_matmul_nbits_nodes, to_matmul_nbits
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+else:
+    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 EXPORT_FORMAT = 5   # bump when the graphs change, so old exports are rebuilt (5: block sums from MatMulNBits rows)
 

@@ -4,7 +4,8 @@ A chat reply shows, per token, the model's most likely tokens with their probabi
 needs the softmax's normaliser over the whole vocabulary. numpy's float32 exp is not vectorised on an AVX2-only
 CPU: the pass took 82 us of a SmolLM2 step (49,152 logits) and 424 us of a Gemma step (262,144), where MLAS's
 Softmax takes 33 and 144 us, call included. Its exp and float32 sums give probabilities within ~5e-5 of a
-float64 softmax (relative): far below the 0.1% the token view prints. Built in memory: one node, no file.
+float64 softmax (relative): far below the 0.1% the token view prints. One node, no file: its serialised
+graph is kept in graphs/onnx_deferred.py, so that a load needs no `onnx`.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
-from larql_desktop.engine.graphs.store import PROVIDERS, Binding, make_model, session_options
+from larql_desktop.engine.graphs.onnx_deferred import SOFTMAX_MODEL
+from larql_desktop.engine.graphs.store import PROVIDERS, Binding, session_options
 
 
 class OnnxSoftmax:
@@ -25,12 +26,7 @@ class OnnxSoftmax:
         if size < 1:
             raise ValueError(f"a softmax needs at least one logit, not {size}")
         self.size = int(size)
-        model = make_model([helper.make_node("Softmax", ["logits"], ["probabilities"], axis=-1)], [],
-                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [self.size])],
-                           [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [self.size])],
-                           "softmax")
-        self._session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
-                                             providers=PROVIDERS)
+        self._session = ort.InferenceSession(SOFTMAX_MODEL, session_options(threads), providers=PROVIDERS)
 
     def bound(self) -> Callable[[np.ndarray], np.ndarray]:
         """A function from logits (float32, `size`) to their probabilities. It writes them into one buffer,

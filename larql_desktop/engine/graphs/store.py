@@ -21,13 +21,19 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import onnx
 import xxhash
 import onnxruntime as ort
-from onnx import helper
+
+from larql_desktop.engine.graphs.onnx_deferred import START_MODEL
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import helper
+else:
+    from larql_desktop.engine.graphs.onnx_deferred import helper, onnx
 
 log = logging.getLogger(__name__)
 OPSET = 21          # Gelu with approximate="tanh" needs opset 20+
@@ -72,12 +78,9 @@ def _native_thread_ids() -> set[int]:
 
 def _start_environment() -> None:
     """Create onnxruntime's environment, and with it the shared pool's threads, now (a one-node session)."""
-    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
-    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
-    model = make_model([helper.make_node("Identity", ["x"], ["y"])], [], [x], [y], "start")
     opts = ort.SessionOptions()
     opts.use_per_session_threads = False
-    ort.InferenceSession(model.SerializeToString(), opts, providers=PROVIDERS)
+    ort.InferenceSession(START_MODEL, opts, providers=PROVIDERS)
 
 
 MADV_DONTNEED = 4
