@@ -39,10 +39,11 @@ def cmd_chat(args) -> int:
     print(f"loaded {model.name} in {model.load_seconds:.2f} s ({model.threads} threads)", file=sys.stderr)
     engine = LarqlEngine(model, walk=_walk_settings(args))
     for path in args.patch or ():
-        patch = engine.read_patch(path)
-        engine.apply_patch(patch)
-        print(f"patch {path}: {len(patch.operations)} operation(s) on layer(s) "
-              f"{', '.join(map(str, patch.layers))}", file=sys.stderr)
+        patches = engine.read_patches(path)
+        engine.apply_patches(patches)
+        for patch in patches:
+            print(f"patch {path}{f' ({patch.name})' if len(patches) > 1 else ''}: {len(patch.operations)} "
+                  f"operation(s) on layer(s) {', '.join(map(str, patch.layers))}", file=sys.stderr)
     session = engine.new_session()
     decode_seconds = 0.0
     decode_tokens = 0
@@ -276,20 +277,23 @@ def cmd_patch(args) -> int:
 
     model = _load(args, quiet_progress=True)
     engine = LarqlEngine(model, walk=_walk_settings(args))
-    patch = engine.read_patch(args.file)
-    layers = ", ".join(str(layer) for layer in patch.layers)
-    print(f"valid: {len(patch.operations)} operation(s) on layer(s) {layers} for {model.name}"
-          + (f" — {patch.description}" if patch.description else ""))
+    patches = engine.read_patches(args.file)      # a patch file, or a patch set file (all of its patches)
+    for patch in patches:
+        layers = ", ".join(str(layer) for layer in patch.layers)
+        print(f"valid: {len(patch.operations)} operation(s) on layer(s) {layers} for {model.name}"
+              + (f" ({patch.name})" if len(patches) > 1 else "")
+              + (f" — {patch.description}" if patch.description else ""))
     if args.action == "validate":
         return 0
-    engine.apply_patch(patch)
+    engine.apply_patches(patches)
     outcome = services.probe(engine, args.probe, "", args.tokens)
     _show("probe before", args.probe + outcome.base_text)
     _show("probe after", args.probe + outcome.patched_text)
     # One line per inserted target (a multi-token, multi-layer insert has several features for one target).
-    for target in dict.fromkeys(op.target for op in patch.operations if op.op == "insert" and op.target):
+    operations = [op for patch in patches for op in patch.operations]
+    for target in dict.fromkeys(op.target for op in operations if op.op == "insert" and op.target):
         p = services.probe(engine, args.probe, target, 1)
-        where = sorted({(o.layer, o.feature) for o in patch.operations if o.target == target})
+        where = sorted({(o.layer, o.feature) for o in operations if o.target == target})
         print(f"target {target!r} ({', '.join(f'layer {l} feature {f}' for l, f in where)}) first token p: "
               f"{p.base_probability:.4f} -> {p.patched_probability:.4f}")
     return 0
@@ -419,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "and by cosine; time-capped at 5%% of the misses') and print the summary")
     chat.add_argument("--json", default=None, help="with --explain-misses: write the session's statistics here")
     chat.add_argument("--patch", action="append", default=None, metavar="FILE",
-                      help="apply this patch file first (repeatable, applied in order)")
+                      help="apply this patch or patch set file first (repeatable, applied in order)")
     chat.add_argument("prompt")
     chat.set_defaults(func=cmd_chat)
 
@@ -518,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the file's own conversation cases, none generated from the relations")
     ev.set_defaults(func=cmd_insert_eval)
 
-    patch = sub.add_parser("patch", help="validate or apply a patch file")
+    patch = sub.add_parser("patch", help="validate or apply a patch file (or a patch set file)")
     patch_sub = patch.add_subparsers(dest="action", required=True)
     for action in ("validate", "apply"):
         p = patch_sub.add_parser(action)

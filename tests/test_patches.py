@@ -9,11 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import SCENARIOS_DIR
-from larql_desktop.engine.core import LarqlEngine
+from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.patches.insert import Fact
-from larql_desktop.engine.model.overlay import Patch, PatchError, PatchOperation, encode_vector
+from larql_desktop.engine.model.overlay import (PATCH_SET_KIND, Patch, PatchError, PatchOperation, encode_vector,
+                                                patch_set_json)
 from greedy_runs import run_sequence
 
 FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]
@@ -227,3 +228,71 @@ def test_per_feature_hits_always_equal_fresh_computation(smollm2, seed):
     # an upstream patch can nudge a residual without changing its feature set — which is the approximation
     # the seed's keys always carry, measured by mean/min cosine, not staleness.)
     assert snap.fidelity.max_stale_error == 0.0
+
+
+def test_a_patch_set_file_holds_many_patches_listed_and_removed_one_by_one(smollm2, tmp_path):
+    """Many facts in one file: saved in order with their names, loaded back as separate patches (applied in one
+    change), each removable on its own, which restores the outputs of the set without it bit for bit."""
+    rng = np.random.default_rng(7)
+    made = [_random_patch(smollm2, rng).named(f"fact {i}") for i in range(3)]
+    engine = LarqlEngine(smollm2)
+    engine.apply_patches(made)
+    path = tmp_path / "facts.json"
+    assert engine.save_patches(path) == 3
+    doc = json.loads(path.read_text())
+    assert doc["kind"] == PATCH_SET_KIND and [e["name"] for e in doc["patches"]] == ["fact 0", "fact 1", "fact 2"]
+
+    fresh = LarqlEngine(smollm2)
+    loaded = fresh.read_patches(path)
+    assert [p.id for p in loaded] == [p.id for p in made] and [p.name for p in loaded] == [p.name for p in made]
+    fresh.apply_patches(loaded)
+    assert fresh.patches.epoch == engine.patches.epoch
+    assert [s.id for s in fresh.patch_summaries()] == [p.id for p in made]
+
+    ids = smollm2.tokenizer.encode("The capital of Atlantis is")
+    off = dict(l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
+
+    def logits(patches):
+        return run_sequence(smollm2, LarqlEngine(smollm2, patches=patches, **off).new_session().ffn, ids, 3)[1]
+
+    without_middle = LarqlEngine(smollm2)
+    without_middle.apply_patches([made[0], made[2]])
+    fresh.remove_patch(loaded[1].id)
+    assert [p.id for p in fresh.applied_patches] == [made[0].id, made[2].id]
+    assert fresh.patches.epoch == without_middle.patches.epoch
+    assert np.array_equal(logits(fresh.patches), logits(without_middle.patches))
+    assert not np.array_equal(logits(fresh.patches), logits(engine.patches))   # the removed one mattered
+
+    # Saving a chosen few writes those only; a file of one patch is read as before.
+    assert fresh.save_patches(tmp_path / "one.json", [made[2].id]) == 1
+    assert [p.id for p in fresh.read_patches(tmp_path / "one.json")] == [made[2].id]
+    made[0].save(tmp_path / "single.json")
+    assert [(p.id, p.name) for p in fresh.read_patches(tmp_path / "single.json")] == [(made[0].id, "single")]
+
+
+def test_a_bad_patch_set_is_refused_whole_and_changes_nothing(smollm2, tmp_path):
+    rng = np.random.default_rng(11)
+    made = [_random_patch(smollm2, rng) for _ in range(3)]
+    engine = LarqlEngine(smollm2)
+    engine.apply_patch(made[0])
+    before = (engine.applied_patches, engine.patches.epoch)
+    cases = {
+        "another model": (lambda d: d["patches"][1]["patch"].update(base_checksum="0" * 64), "patch 2: made for another model"),
+        "twice the same": (lambda d: d["patches"].append(d["patches"][0]), "patch 4: the same patch as patch 1"),
+        "no patches": (lambda d: d.update(patches=[]), "non-empty list"),
+        "not an object": (lambda d: d["patches"].insert(1, "fact"), "patch 2: expected an object"),
+        "a name not text": (lambda d: d["patches"][2].update(name=5), "patch 3: 'name' must be a string"),
+        "a later version": (lambda d: d.update(version=9), "unsupported patch set version 9"),
+    }
+    for name, (change, message) in cases.items():
+        doc = patch_set_json(made)
+        change(doc)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        with pytest.raises(PatchError, match=message):
+            engine.read_patches(path)
+        assert (engine.applied_patches, engine.patches.epoch) == before, name
+    # A set holding an applied patch: none of it is applied.
+    with pytest.raises(PatchAlreadyApplied, match="already applied"):
+        engine.apply_patches(made)
+    assert (engine.applied_patches, engine.patches.epoch) == before

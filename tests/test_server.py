@@ -238,6 +238,32 @@ def test_patch_routes_apply_list_and_remove(served, smollm2):
         assert again["cache"] == "hit" and again["output"] == clean["output"]
 
 
+def test_the_patch_route_applies_a_patch_set_whole_or_not_at_all(served, smollm2):
+    """A patch set file's JSON posted once: its patches listed one by one (in order, with their names), each
+    removable by its id; a set with a bad patch or one already applied changes nothing."""
+    engine, handle = served
+    v = encode_vector(np.full(smollm2.config.hidden, 0.01, np.float32))
+
+    def patch(layer: int, name: str) -> dict:
+        return {"name": name, "patch": {"version": 1, "base_model": smollm2.name, "base_checksum": smollm2.checksum,
+                                        "operations": [{"op": "update", "layer": layer, "feature": 6, "down": v}]}}
+    facts = {"kind": "larql-patch-set", "version": 1, "patches": [patch(2, "a"), patch(7, "b"), patch(9, "c")]}
+    with httpx.Client(base_url=handle.url) as http:
+        r = http.post("/v1/patches", json=facts)
+        assert r.status_code == 201
+        listed = r.json()["patches"]
+        assert [(p["name"], p["layers"]) for p in listed] == [("a", [2]), ("b", [7]), ("c", [9])]
+        state = http.get("/v1/patches").json()
+        again = http.post("/v1/patches", json={**facts, "patches": [patch(11, "d"), patch(7, "b")]})
+        assert again.status_code == 409 and http.get("/v1/patches").json() == state      # "b" is applied: no "d"
+        broken = {**facts, "patches": [patch(12, "e"), {"name": "f", "patch": {"version": 1}}]}
+        r = http.post("/v1/patches", json=broken)
+        assert r.status_code == 422 and "patch 2" in r.json()["detail"] and http.get("/v1/patches").json() == state
+        r = http.delete(f"/v1/patches/{listed[1]['id']}")
+        assert r.status_code == 200 and [p["name"] for p in r.json()["patches"]] == ["a", "c"]
+    assert [p.name for p in engine.applied_patches] == ["a", "c"]
+
+
 def test_insert_route_installs_a_fact_and_answers_with_its_probe_table(served):
     engine, handle = served
     paraphrase = "Atlantis has its capital at"

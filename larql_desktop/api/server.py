@@ -364,9 +364,10 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         return patch_list(services.patch_summaries(overlay), overlay.epoch)
 
     @app.post("/v1/patches", response_model=PatchList, status_code=201, responses=ERRORS)
-    def apply_patch(doc: dict[str, Any] = Body(description="a patch file's JSON (.vlp)")):
+    def apply_patch(doc: dict[str, Any] = Body(description="a patch file's JSON (.vlp), or a patch set file's (all "
+                                                           "of its patches, applied together or none)")):
         try:
-            return changed(engine.apply_patch(engine.validate_patch(doc, source="patch"), origin="api"))
+            return changed(engine.apply_patches(engine.validate_patches(doc, source="patch"), origin="api"))
         except PatchAlreadyApplied as exc:
             refuse(str(exc), 409)
         except PatchError as exc:

@@ -24,7 +24,8 @@ from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
 from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefillSchedule, PrefixCache
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
-from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file, parse_patch
+from larql_desktop.engine.model.overlay import (BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file,
+                                                load_patches, parse_patch, parse_patches, save_patch_set)
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +250,25 @@ class LarqlEngine:
         """Load and validate a patch file for this model (PatchError names the problem)."""
         return load_patch_file(path, **self._model_shape())
 
+    def read_patches(self, path) -> tuple[Patch, ...]:
+        """The patches of a patch file or a patch set file, every one validated for this model (PatchError names
+        the first problem; then none is returned)."""
+        return load_patches(path, **self._model_shape())
+
     def validate_patch(self, doc: dict, source: str = "patch") -> Patch:
         return parse_patch(doc, source=source, **self._model_shape())
+
+    def validate_patches(self, doc: dict, source: str = "patch") -> tuple[Patch, ...]:
+        """validate_patch of a patch document or of each patch of a patch set document."""
+        return parse_patches(doc, source=source, **self._model_shape())
+
+    def save_patches(self, path, patch_ids: Sequence[str] | None = None) -> int:
+        """Write the applied patches with these ids (all of them by default), in their order, to one patch set
+        file; returns how many. UnknownPatch if an id is not applied (nothing is written)."""
+        applied = self.applied_patches
+        chosen = applied if patch_ids is None else tuple(self.find_patch(i) for i in patch_ids)
+        save_patch_set(chosen, path)
+        return len(chosen)
 
     def _swap_patches(self, change: Callable[[tuple[Patch, ...]], tuple[Patch, ...]], origin) -> PatchesChanged:
         """Read the applied patches, build the new overlay and install it in one critical section: a change made
@@ -264,13 +282,26 @@ class LarqlEngine:
         return event
 
     def apply_patch(self, patch: Patch, origin=None) -> PatchesChanged:
-        if patch.base_checksum != self.model.checksum:
-            raise PatchError("the patch was made for another model")
+        return self.apply_patches((patch,), origin)
+
+    def apply_patches(self, new: Sequence[Patch], origin=None) -> PatchesChanged:
+        """Apply these patches after the applied ones, in one change: if any is for another model or already
+        applied, none is (PatchError / PatchAlreadyApplied)."""
+        new = tuple(new)
+        if not new:
+            raise PatchError("no patch to apply")
+        for patch in new:
+            if patch.base_checksum != self.model.checksum:
+                raise PatchError(f"the patch {patch.name or patch.id} was made for another model")
 
         def add(patches):
-            if any(p.id == patch.id for p in patches):
-                raise PatchAlreadyApplied(f"this patch (id {patch.id}) is already applied")
-            return patches + (patch,)
+            ids = {p.id for p in patches}
+            for patch in new:
+                if patch.id in ids:
+                    raise PatchAlreadyApplied(f"this patch ({patch.name + ', ' if patch.name else ''}id {patch.id}) "
+                                              "is already applied")
+                ids.add(patch.id)
+            return patches + new
         return self._swap_patches(add, origin)
 
     def remove_patch(self, patch_id: str, origin=None) -> PatchesChanged:

@@ -23,6 +23,10 @@ from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 
 PATCH_VERSION = 1
+# A file holding a set of patches (one per fact, say: loaded, they are listed and removed one by one).
+PATCH_SET_KIND = "larql-patch-set"
+PATCH_SET_VERSION = 1
+MAX_PATCHES_PER_SET = 10_000
 OPERATIONS = ("insert", "update", "delete")
 CLEAN_EPOCH = "clean"
 
@@ -131,6 +135,11 @@ class Patch:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
 
+    def named(self, name: str) -> "Patch":
+        """This patch under another name (its id, made from its content, stays)."""
+        return Patch(self.operations, self.base_model, self.base_checksum, self.description, self.created_at,
+                     name=name)
+
 
 def _optional_index(o: dict, key: str, limit: int | None, where: str) -> int | None:
     value = o.get(key)
@@ -211,8 +220,56 @@ def load_patch_file(path: str | Path, **model_shape) -> Patch:
     path = Path(path)
     doc = read_json(path, "patch file", PatchError)
     patch = parse_patch(doc, source=str(path), **model_shape)
-    return Patch(patch.operations, patch.base_model, patch.base_checksum, patch.description, patch.created_at,
-                 name=path.stem)
+    return patch.named(path.stem)
+
+
+def patch_set_json(patches: Iterable[Patch]) -> dict:
+    """One document for a set of patches, each kept whole with its name (`parse_patches` reads it back)."""
+    return {"kind": PATCH_SET_KIND, "version": PATCH_SET_VERSION,
+            "patches": [{"name": p.name, "patch": p.to_json()} for p in patches]}
+
+
+def save_patch_set(patches: Iterable[Patch], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(patch_set_json(patches), indent=1))
+
+
+def parse_patches(doc, *, source: str = "patch", default_name: str = "", **model_shape) -> tuple[Patch, ...]:
+    """The patches of a document: a patch set's, in order, or a single patch. Any problem in any of them refuses
+    the whole document with a message naming the patch and the problem. A patch without a name is called
+    `default_name` (numbered in a set)."""
+    if not (isinstance(doc, dict) and doc.get("kind") == PATCH_SET_KIND):
+        return (parse_patch(doc, source=source, **model_shape).named(default_name),)
+    version = doc.get("version")
+    if version != PATCH_SET_VERSION:
+        raise PatchError(f"{source}: unsupported patch set version {version!r} (this app reads version "
+                         f"{PATCH_SET_VERSION})")
+    entries = doc.get("patches")
+    if not isinstance(entries, list) or not entries:
+        raise PatchError(f"{source}: 'patches' must be a non-empty list")
+    if len(entries) > MAX_PATCHES_PER_SET:
+        raise PatchError(f"{source}: {len(entries)} patches are more than a set may hold ({MAX_PATCHES_PER_SET})")
+    patches: list[Patch] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries, start=1):
+        where = f"{source}: patch {i}"
+        if not isinstance(entry, dict):
+            raise PatchError(f"{where}: expected an object with 'name' and 'patch'")
+        name = entry.get("name", "")
+        if not isinstance(name, str):
+            raise PatchError(f"{where}: 'name' must be a string")
+        patch = parse_patch(entry.get("patch"), source=where, **model_shape)
+        if patch.id in seen:
+            raise PatchError(f"{where}: the same patch as patch {seen[patch.id]}")
+        seen[patch.id] = i
+        patches.append(patch.named(name or f"{default_name} {i}".strip()))
+    return tuple(patches)
+
+
+def load_patches(path: str | Path, **model_shape) -> tuple[Patch, ...]:
+    """The patches of a patch file or patch set file (see parse_patches)."""
+    path = Path(path)
+    return parse_patches(read_json(path, "patch file", PatchError), source=str(path), default_name=path.stem,
+                         **model_shape)
 
 
 # ----------------------------------------------------------------------------------------------- overlay

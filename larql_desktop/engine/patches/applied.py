@@ -59,8 +59,7 @@ class AppliedPatchStore:
                     raise PatchError("expected an object")
                 patch = engine.validate_patch(entry.get("patch"), source=f"saved patch {i + 1}")
                 name = entry.get("name", "")
-                patches.append(Patch(patch.operations, patch.base_model, patch.base_checksum, patch.description,
-                                     patch.created_at, name=name if isinstance(name, str) else ""))
+                patches.append(patch.named(name if isinstance(name, str) else ""))
             except PatchError as exc:
                 problems.append(f"saved patch {i + 1} was not restored: {exc}")
         return patches, problems
