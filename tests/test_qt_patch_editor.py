@@ -3,6 +3,9 @@ the fact probe table after an insert and on demand, and a chat tab answering wit
 INSERT and after loading a patch file). Cancelling an INSERT is covered in test_qt_panels.py."""
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
@@ -13,7 +16,7 @@ from larql_desktop.cli import serve_api  # noqa: E402
 from larql_desktop.engine.core import LarqlEngine  # noqa: E402
 from larql_desktop.engine.loading import chat_prompt_ids  # noqa: E402
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill  # noqa: E402
-from larql_desktop.engine.model.overlay import PatchOverlay  # noqa: E402
+from larql_desktop.engine.model.overlay import Patch, PatchOperation, PatchOverlay, save_patch_set  # noqa: E402
 from larql_desktop.engine.services import CHAT_PROBE_TOKENS  # noqa: E402
 from larql_desktop.qt.main_window import MainWindow  # noqa: E402
 from larql_desktop.qt.qt_patch_editor import FACT_PROBE_COLUMNS, paraphrase_lines  # noqa: E402
@@ -142,6 +145,42 @@ def test_a_chat_tab_answers_with_a_loaded_patch_file(loaded, qtbot, saved_patch)
     assert before_loading == before and after != before
     assert ask_in_a_new_chat(qtbot, loaded, QUESTION) == after
     assert editor.last_fact is None and not editor.fact_probe_button.isEnabled()   # no INSERT was made here
+
+
+def test_a_patch_set_file_is_listed_and_removed_one_by_one_and_saved_whole(loaded, qtbot, smollm2, tmp_path):
+    editor = loaded.patch_editor
+    engine = loaded.client.worker.engine
+    start = [p.id for p in engine.applied_patches]
+    rng = np.random.default_rng(3)
+    made = [Patch((PatchOperation("update", layer, 300 + i,
+                                  down=rng.standard_normal(smollm2.config.hidden).astype(np.float32) * 0.01),),
+                  smollm2.name, smollm2.checksum, description=f"fact {i}").named(f"fact {i}")
+            for i, layer in enumerate((3, 8, 12))]
+    path = tmp_path / "facts.json"
+    save_patch_set(made, path)
+    editor.load_file(path)
+    qtbot.waitUntil(lambda: not editor.busy and editor.patch_list.topLevelItemCount() == len(start) + 3,
+                    timeout=REPLY_TIMEOUT)
+    rows = [editor.patch_list.topLevelItem(i).text(0) for i in range(editor.patch_list.topLevelItemCount())]
+    assert rows[len(start):] == ["fact 0", "fact 1", "fact 2"]
+
+    editor.patch_list.setCurrentItem(editor.patch_list.topLevelItem(len(start) + 1))    # "fact 1"
+    qtbot.mouseClick(editor.remove_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: not editor.busy and editor.patch_list.topLevelItemCount() == len(start) + 2,
+                    timeout=REPLY_TIMEOUT)
+    assert [p.id for p in engine.applied_patches] == start + [made[0].id, made[2].id]
+
+    assert editor.save_all_button.isEnabled()
+    saved = tmp_path / "all.json"
+    editor.save_all(saved)
+    qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
+    assert [e["name"] for e in json.loads(saved.read_text())["patches"]][len(start):] == ["fact 0", "fact 2"]
+    assert [p.id for p in engine.read_patches(saved)] == start + [made[0].id, made[2].id]
+    assert editor.status.text() == f"Saved {len(start) + 2} patches to {saved}"
+    for patch in (made[0], made[2]):        # the list as this test found it
+        editor.remove_patch([s.id for s in editor.patches].index(patch.id))
+        qtbot.waitUntil(lambda: not editor.busy, timeout=REPLY_TIMEOUT)
+    assert [p.id for p in engine.applied_patches] == start
 
 
 def test_the_paraphrases_are_remembered(qtbot, qapp, app_paths, settings_file):  # noqa: F811

@@ -13,7 +13,8 @@ from larql_desktop.engine.core import PatchesChanged
 from larql_desktop.engine.session import ChatSession
 from larql_desktop.engine.patches.insert import Fact, Progress
 from larql_desktop.qt.protocol import (CacheStatsEvent, FactProbed, InsertFact, InsertFinished, PatchesShown,
-                                       PatchSaved, ProbeAnswered, ProbeFact, ProbePrompt, SavePatch)
+                                       PatchSaved, ProbeAnswered, ProbeFact, ProbePrompt, SavePatch,
+                                       SavePatchSet)
 
 
 def stats_event(engine: LarqlEngine, engine_id: int, session_id: int | None,
@@ -61,3 +62,7 @@ def insert_fact(engine: LarqlEngine, request: InsertFact, progress: Progress) ->
 def save_patch(engine: LarqlEngine, request: SavePatch) -> PatchSaved:
     engine.find_patch(request.patch_id).save(request.path)
     return PatchSaved(request.request_id, request.path)
+
+
+def save_patch_set(engine: LarqlEngine, request: SavePatchSet) -> PatchSaved:
+    return PatchSaved(request.request_id, request.path, engine.save_patches(request.path))

@@ -164,6 +164,13 @@ class SavePatch:
 
 
 @dataclass(frozen=True)
+class SavePatchSet:
+    label: ClassVar[str] = "Saving patches"
+    request_id: int
+    path: Path                # every applied patch, in order, in one patch set file
+
+
+@dataclass(frozen=True)
 class RemovePatch:
     label: ClassVar[str] = "Removing patch"
     request_id: int
@@ -332,6 +339,7 @@ class FactProbed:
 class PatchSaved:
     request_id: int
     path: Path
+    count: int = 1            # patches written (a patch set file holds several)
 
 
 # --- the labs: the reply's pictures, the feature view, the collapse lab, the frontier (qt/lab_jobs.py) ---

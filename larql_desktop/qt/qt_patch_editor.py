@@ -15,14 +15,16 @@ from PySide6.QtWidgets import (QAbstractItemView, QDoubleSpinBox, QFileDialog, Q
 from larql_desktop.engine.services import ProbeOutcome
 from larql_desktop.qt.protocol import (ErrorReport, FactProbed, InsertCancelled, InsertFact, InsertFinished,
                                        InsertProgress, LoadPatchFile, ModelInfo, PatchesShown, PatchSaved, ProbeAnswered,
-                                       ProbeFact, ProbePrompt, RemovePatch, SavePatch)
+                                       ProbeFact, ProbePrompt, RemovePatch, SavePatch,
+                                       SavePatchSet)
 from larql_desktop.qt.qt_tables import read_only_table
 from larql_desktop.qt.worker import EngineClient
 
 _AUTO_LAYER = -1
 # Each request's last answer (an INSERT's patches and probe come before its InsertFinished).
 _FINAL_ANSWER = {InsertFact: InsertFinished, ProbePrompt: ProbeAnswered, ProbeFact: FactProbed,
-                 LoadPatchFile: PatchesShown, RemovePatch: PatchesShown, SavePatch: PatchSaved}
+                 LoadPatchFile: PatchesShown, RemovePatch: PatchesShown, SavePatch: PatchSaved,
+                 SavePatchSet: PatchSaved}
 # Before and after are whole continuations: the selected row's are shown in full, wrapped, under the table (seven
 # columns in a 400 px panel squeezed every text column to "T..."; the table keeps what compares at a glance).
 FACT_PROBE_COLUMNS = ["Kind", "Prompt", "P before", "P after", "Answers"]
@@ -245,11 +247,17 @@ class PatchEditor(QWidget):
         self.save_button = QPushButton("Save…")
         self.save_button.setAccessibleName("Save patch")
         self.save_button.clicked.connect(self._on_save)
+        self.save_all_button = QPushButton("Save all…")
+        self.save_all_button.setAccessibleName("Save all patches to one file")
+        self.save_all_button.setToolTip("Every applied patch, in order, in one patch set file: loaded again, "
+                                        "they are listed and removed one by one")
+        self.save_all_button.clicked.connect(self._on_save_all)
         self.load_button = QPushButton("Load…")
         self.load_button.setAccessibleName("Load patch file")
+        self.load_button.setToolTip("A patch file, or a patch set file (each of its patches listed on its own)")
         self.load_button.clicked.connect(self._on_load)
         row = QHBoxLayout()
-        for button in (self.load_button, self.save_button, self.remove_button):
+        for button in (self.load_button, self.save_button, self.save_all_button, self.remove_button):
             row.addWidget(button)
         row.addStretch(1)
         layout = QVBoxLayout(box)
@@ -310,6 +318,10 @@ class PatchEditor(QWidget):
         """Save the patch shown in row `index` (requests name it by id: the list may change meanwhile)."""
         return self._submit(SavePatch(self.client.next_request_id(), self.patches[index].id, Path(path)))
 
+    def save_all(self, path: str | Path) -> int:
+        """Save every applied patch, in order, to one patch set file."""
+        return self._submit(SavePatchSet(self.client.next_request_id(), Path(path)))
+
     def remove_patch(self, index: int) -> int:
         return self._submit(RemovePatch(self.client.next_request_id(), self.patches[index].id))
 
@@ -338,6 +350,14 @@ class PatchEditor(QWidget):
         if path:
             self._last_dir = str(Path(path).parent)
             self.save_patch(index, path)
+
+    @Slot()
+    def _on_save_all(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save all patches", str(Path(self._last_dir) / "patches.json"),
+                                              _PATCH_FILTER)
+        if path:
+            self._last_dir = str(Path(path).parent)
+            self.save_all(path)
 
     @Slot()
     def _on_load(self) -> None:
@@ -390,7 +410,8 @@ class PatchEditor(QWidget):
 
     @Slot(object)
     def _on_patch_saved(self, event: PatchSaved) -> None:
-        self.status.setText(f"Saved {event.path}")
+        self.status.setText(f"Saved {event.path}" if event.count == 1 else
+                            f"Saved {event.count} patches to {event.path}")
         self._answered(event)
 
     def _answered(self, answer) -> None:
@@ -529,6 +550,7 @@ class PatchEditor(QWidget):
         self.load_button.setEnabled(loaded and not busy)
         selected = self.selected_index() is not None
         self.save_button.setEnabled(loaded and selected and not busy)
+        self.save_all_button.setEnabled(loaded and bool(self.patches) and not busy)
         self.remove_button.setEnabled(loaded and selected and not busy)
 
     # --- settings ---

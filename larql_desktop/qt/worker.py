@@ -47,7 +47,8 @@ from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.protocol import (ANSWERS, ClearCaches, CloseSession, OpenChat, SetSystemPrompt, ConfigureCache, EngineActivity, ErrorReport,
                                        InsertCancelled, InsertFact, InsertProgress, LoadModel, LoadPatchFile, ModelInfo, ProbeFact, ProbePrompt,
                                        Regenerate, RemovePatch, ReplyFinished, ReplyStarted, RequestStats, ResetStats,
-                                       SavePatch, SendPrompt, ServerState, StartServer, StopServer, TokenEvent)
+                                       SavePatch, SavePatchSet, SendPrompt, ServerState, StartServer, StopServer,
+                                       TokenEvent)
 from larql_desktop.qt.reply_stats import FAILED, STOPPED, ReplyStatsBuilder
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class EngineWorker(QObject):
             LoadPatchFile: self._load_patch_file,
             RemovePatch: self._remove_patch,
             SavePatch: lambda r: self.answer.emit(engine_jobs.save_patch(self._engine(), r)),
+            SavePatchSet: lambda r: self.answer.emit(engine_jobs.save_patch_set(self._engine(), r)),
             StartServer: self._start_server,
             StopServer: self._stop_server,
             **LabJobs(self, self.answer.emit).handlers(),
@@ -191,8 +193,8 @@ class EngineWorker(QObject):
         if self._unsubscribe is not None:
             self._unsubscribe()
         restored, problems = self._applied.load(engine) if self._applied is not None else ([], [])
-        for patch in restored:
-            engine.apply_patch(patch)
+        if restored:
+            engine.apply_patches(restored)
         self._unsubscribe = engine.subscribe(lambda event: self._on_engine_event(engine, event))
         self.model, self.engine = model, engine
         self._engine_id = next(self._engine_ids)
@@ -330,7 +332,7 @@ class EngineWorker(QObject):
     def _load_patch_file(self, request: LoadPatchFile) -> None:
         engine = self._engine()
         # PatchError names the problem and nothing is applied; the engine's event lists the patches.
-        engine.apply_patch(engine.read_patch(request.path), origin=("window", request.request_id))
+        engine.apply_patches(engine.read_patches(request.path), origin=("window", request.request_id))
         self._emit_stats()
 
     def _remove_patch(self, request: RemovePatch) -> None:
