@@ -162,14 +162,14 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
     """Every client's prompts differ from every other's, in this row and in the others and in earlier runs (the
     salt): a prompt decoded before would be served from the FFN cache tiers, not walked, and flatter the ratio."""
     out = []
-    for n in counts:
+    for row_index, n in enumerate(counts):
         tokens = [0] * n
         errors: list[str] = []
 
         def one(index: int) -> None:
             try:
                 for r in range(replies):
-                    text = (f"Client {index} of {n} reply {r} (desk {salt}): describe "
+                    text = (f"Client {index} of {n} reply {r} (desk {salt}, row {row_index}): describe "
                             f"{WORDS[(index + r) % len(WORDS)]} in detail.")
                     tokens[index] += client.chat([{"role": "user", "content": text}], max_tokens)["tokens"]
             except Exception as exc:   # noqa: BLE001 - reported, not hidden
