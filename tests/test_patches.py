@@ -268,6 +268,13 @@ def test_a_patch_set_file_holds_many_patches_listed_and_removed_one_by_one(smoll
     assert [p.id for p in fresh.read_patches(tmp_path / "one.json")] == [made[2].id]
     made[0].save(tmp_path / "single.json")
     assert [(p.id, p.name) for p in fresh.read_patches(tmp_path / "single.json")] == [(made[0].id, "single")]
+    # Unnamed patches of a set file are named after the file; nothing applied, nothing to save.
+    unnamed = tmp_path / "unnamed.json"
+    unnamed.write_text(json.dumps(patch_set_json([p.named("") for p in made[:2]])))
+    assert [p.name for p in fresh.read_patches(unnamed)] == ["unnamed 1", "unnamed 2"]
+    with pytest.raises(PatchError, match="no patch to save"):
+        LarqlEngine(smollm2).save_patches(tmp_path / "none.json")
+    assert not (tmp_path / "none.json").exists()
 
 
 def test_a_bad_patch_set_is_refused_whole_and_changes_nothing(smollm2, tmp_path):

@@ -267,6 +267,8 @@ class LarqlEngine:
         file; returns how many. UnknownPatch if an id is not applied (nothing is written)."""
         applied = self.applied_patches
         chosen = applied if patch_ids is None else tuple(self.find_patch(i) for i in patch_ids)
+        if not chosen:
+            raise PatchError("no patch to save")      # a set holds at least one (parse_patches refuses none)
         save_patch_set(chosen, path)
         return len(chosen)
 

@@ -261,7 +261,7 @@ def parse_patches(doc, *, source: str = "patch", default_name: str = "", **model
         if patch.id in seen:
             raise PatchError(f"{where}: the same patch as patch {seen[patch.id]}")
         seen[patch.id] = i
-        patches.append(patch.named(name or f"{default_name} {i}".strip()))
+        patches.append(patch.named(name or (f"{default_name} {i}" if default_name else "")))
     return tuple(patches)
 
 
