@@ -12,7 +12,7 @@ package's; the first attribute read imports it. Type checkers see the package it
         from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 Graphs made at every load, before any builder runs (the thread pool's start, the token view's softmax), are
-kept here already serialised (tests/test_graphs.py checks them against what `onnx` builds).
+kept here already serialised (tests/test_onnx_deferred.py checks them against what `onnx` builds).
 """
 from __future__ import annotations
 
