@@ -24,8 +24,8 @@ from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
 from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefillSchedule, PrefixCache
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
-from larql_desktop.engine.model.overlay import (BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patch_file,
-                                                load_patches, parse_patch, parse_patches, save_patch_set)
+from larql_desktop.engine.model.overlay import (BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patches,
+                                                parse_patch, parse_patches, save_patch_set)
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,12 @@ class LarqlEngine:
                     checksum=self.model.checksum, vocab=cfg.vocab_size)
 
     def read_patch(self, path) -> Patch:
-        """Load and validate a patch file for this model (PatchError names the problem)."""
-        return load_patch_file(path, **self._model_shape())
+        """Load and validate a file of one patch for this model (PatchError names the problem; a set of several
+        is read_patches')."""
+        patches = self.read_patches(path)
+        if len(patches) != 1:
+            raise PatchError(f"{path}: a patch set of {len(patches)} patches, not one patch")
+        return patches[0]
 
     def read_patches(self, path) -> tuple[Patch, ...]:
         """The patches of a patch file or a patch set file, every one validated for this model (PatchError names

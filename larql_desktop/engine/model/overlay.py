@@ -216,13 +216,6 @@ def parse_patch(doc, *, n_layers: int, intermediate: int, hidden: int, checksum:
                  str(doc.get("created_at", "")))
 
 
-def load_patch_file(path: str | Path, **model_shape) -> Patch:
-    path = Path(path)
-    doc = read_json(path, "patch file", PatchError)
-    patch = parse_patch(doc, source=str(path), **model_shape)
-    return patch.named(path.stem)
-
-
 def patch_set_json(patches: Iterable[Patch]) -> dict:
     """One document for a set of patches, each kept whole with its name (`parse_patches` reads it back)."""
     return {"kind": PATCH_SET_KIND, "version": PATCH_SET_VERSION,
