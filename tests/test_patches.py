@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import SCENARIOS_DIR
 from larql_desktop.engine.core import LarqlEngine, PatchAlreadyApplied
 from larql_desktop.engine.cache.tiers import TierSettings
-from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.patches.insert import Fact
-from larql_desktop.engine.model.overlay import (PATCH_SET_KIND, Patch, PatchError, PatchOperation, encode_vector,
-                                                patch_set_json)
+from larql_desktop.engine.model.overlay import (PATCH_SET_KIND, Patch, PatchError, PatchOperation, PatchOverlay,
+                                                encode_vector, patch_set_json)
 from greedy_runs import run_sequence
 
 FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]
@@ -303,3 +303,53 @@ def test_a_bad_patch_set_is_refused_whole_and_changes_nothing(smollm2, tmp_path)
     with pytest.raises(PatchAlreadyApplied, match="already applied"):
         engine.apply_patches(made)
     assert (engine.applied_patches, engine.patches.epoch) == before
+
+
+def _insert_pair(layer: int, slots: tuple[int, int], gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                 fact: tuple[str, str, str]) -> tuple[PatchOperation, PatchOperation]:
+    """A step pair as INSERT writes one (keys.step_pair): the second feature one unit later, subtracting."""
+    entity, relation, target = fact
+    return tuple(PatchOperation("insert", layer, slot, gate, up, sign * down, bias, entity=entity, relation=relation,
+                                target=target, token_index=0)
+                 for slot, sign, bias in ((slots[0], 1.0, 0.0), (slots[1], -1.0, -1.0)))
+
+
+def test_where_two_facts_keys_fire_the_stronger_fact_holds_alone(smollm2):
+    """Facts installed together compete where their keys fire at one position: the fact whose key scores highest
+    writes there, exactly as if it were the only fact; where one key fires alone, that fact writes as alone; a
+    plain override holds everywhere. (An earlier fact's key never saw later facts' questions: it reaches past its
+    own entity, more weakly than the later fact's own key, and must give way rather than write its target over.)"""
+    engine = LarqlEngine(smollm2)
+    cfg, base = smollm2.config, engine.inserter().base
+    layer, d = 20, cfg.hidden
+    rng = np.random.default_rng(7)
+    a_dir, b_dir = (v / np.linalg.norm(v) for v in rng.standard_normal((2, d)).astype(np.float32))
+    up = (rng.standard_normal(d) / np.sqrt(d)).astype(np.float32)
+    down_a, down_b = (rng.standard_normal((2, d)) * 4).astype(np.float32)
+    fact_a, fact_b = ("Tarnhollow", "capital-of", "Gildmere"), ("Orinth", "capital-of", "Velm")
+    patch_a = Patch(_insert_pair(layer, (3, 4), a_dir, up, down_a, fact_a), smollm2.name, smollm2.checksum)
+    patch_b = Patch(_insert_pair(layer, (5, 6), b_dir, up, down_b, fact_b), smollm2.name, smollm2.checksum)
+    plain = Patch((PatchOperation("update", layer, 9, down=down_b),), smollm2.name, smollm2.checksum)
+    # Rows: A's key alone, both with A stronger, both with B stronger, neither (scores along each key's gate).
+    along = np.array([[3.0, -2.0], [5.0, 2.0], [2.0, 6.0], [-1.0, -3.0]], np.float32)
+    x = (along @ np.stack([a_dir, b_dir]) + 0.01 * rng.standard_normal((4, d))).astype(np.float32)
+
+    def ffn_out(*patches: Patch) -> np.ndarray:
+        overlay = PatchOverlay.build(patches, base)
+        return WalkFfn(smollm2.ffn, WalkSettings(dense=True), model_checksum=smollm2.checksum, patches=overlay)(layer, x)
+
+    both = PatchOverlay.build((patch_a, patch_b, plain), base).layer(layer)
+    holds = both.holding(x @ both.gate.T + both.gate_bias)
+    column = {int(f): i for i, f in enumerate(both.features)}
+    a_holds, b_holds = holds[:, column[3]], holds[:, column[5]]
+    assert a_holds.tolist() == [True, True, False, False]
+    assert b_holds.tolist() == [False, False, True, False]
+    assert holds[:, column[9]].all()
+    together, only_a, only_b = ffn_out(patch_a, patch_b, plain), ffn_out(patch_a, plain), ffn_out(patch_b, plain)
+    np.testing.assert_array_equal(together[[0, 1, 3]], only_a[[0, 1, 3]])
+    np.testing.assert_array_equal(together[2], only_b[2])
+    assert not np.array_equal(only_a[2], only_b[2])      # the rows tell the facts apart
+    # One fact's features are one group, whichever patch holds them: a fact split over two patches (as an
+    # insert's trial writes are) does not compete with itself.
+    halves = [Patch((op,), smollm2.name, smollm2.checksum) for op in patch_a.operations]
+    np.testing.assert_array_equal(ffn_out(*halves), ffn_out(patch_a))

@@ -223,10 +223,9 @@ class WalkFfn:
         if ovr is None:
             return None, None, None
         patched = x @ ovr.gate.T + ovr.gate_bias
-        # An inserted (gated) feature takes over its slot only where its biased gate score is positive; elsewhere
-        # the slot keeps its base feature, so unrelated inputs compute exactly what the base model computes.
-        # Plain overrides (no bias) replace their feature everywhere.
-        return ovr, patched, (patched > 0.0) | ~ovr.gated
+        # An inserted (gated) feature takes over its slot only where it fires and its fact wins (LayerOverrides.
+        # holding); elsewhere the slot keeps its base feature. Plain overrides replace their feature everywhere.
+        return ovr, patched, ovr.holding(patched)
 
     def gate_knn(self, layer: int, x: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per position, the features the walk actually sums (the selected base features, with overridden

@@ -276,10 +276,33 @@ class LayerOverrides:
     gate_bias: np.ndarray  # (n,)
     gated: np.ndarray      # (n,) bool: inserted features (with a gate bias) take their slot only where they fire
     epoch: str
+    # (n,) int: the fact each gated feature writes (fact_groups); features of different facts compete (holding)
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __post_init__(self):
-        for a in (self.features, self.gate, self.up, self.down, self.gate_bias, self.gated):
+        if self.group.shape != self.features.shape:
+            object.__setattr__(self, "group", np.where(self.gated, 0, -1).astype(np.int64))
+        for a in (self.features, self.gate, self.up, self.down, self.gate_bias, self.gated, self.group):
             a.flags.writeable = False
+
+    def holding(self, patched: np.ndarray) -> np.ndarray:
+        """Where each override takes its slot (T, n) bool, given its biased gate scores `patched` (T, n).
+
+        A plain override (no bias) holds everywhere. An inserted (gated) feature holds where its biased score is
+        positive (elsewhere its slot keeps the base feature, so unrelated inputs compute exactly what the base
+        model computes), and only if its fact wins there: where the keys of several facts fire at one position,
+        the fact whose strongest feature scores highest keeps its features and the others stay silent. Each key
+        is scaled so its own fact's typical question scores the same above its threshold (keys.fisher_key), so
+        the scores compare; a key that reaches past its own fact (an earlier fact's key never saw a later
+        fact's questions) fires weaker there than that fact's own key and gives way, instead of writing its
+        target over the other's."""
+        fires = (patched > 0.0) & self.gated
+        groups = int(self.group.max(initial=-1)) + 1
+        if groups > 1 and fires.any():
+            strength = np.where(fires, patched, -np.inf)
+            best = np.stack([strength[:, self.group == g].max(axis=1) for g in range(groups)], axis=1)  # (T, G)
+            fires &= self.group[None, :] == np.argmax(best, axis=1)[:, None]
+        return fires | ~self.gated
 
 
 class BaseFeatureWeights:
@@ -302,6 +325,15 @@ class BaseFeatureWeights:
         return self._down[layer]
 
 
+def fact_groups(facts: list[tuple], gated: np.ndarray) -> np.ndarray:
+    """(n,) int: per override, the index of its fact among the layer's gated overrides (first seen first), -1 for
+    a plain override. A fact is an INSERT's (entity, relation, target), so every feature one INSERT installs (its
+    tokens, its step pairs, and trial writes during the insert) is one group; an operation that names no fact
+    is a group of its patch alone."""
+    ids: dict[tuple, int] = {}
+    return np.array([ids.setdefault(fact, len(ids)) if g else -1 for fact, g in zip(facts, gated)], np.int64)
+
+
 class PatchOverlay:
     """Immutable overlay built from a stack of patches. What the walk FFN consults per layer."""
 
@@ -317,12 +349,15 @@ class PatchOverlay:
     def build(cls, patches: Iterable[Patch], base: BaseFeatureWeights) -> "PatchOverlay":
         patches = tuple(patches)
         state: dict[tuple[int, int], list] = {}
-        for patch in patches:
+        facts: dict[tuple[int, int], tuple] = {}     # the fact each slot's last operation writes (fact_groups)
+        for index, patch in enumerate(patches):
             for op in patch.operations:
                 key = (op.layer, op.feature)
                 if op.op == "delete":
                     state.pop(key, None)
                     continue
+                facts[key] = ((op.entity.strip().lower(), op.relation.strip().lower(), op.target.strip().lower())
+                              if op.entity or op.relation or op.target else ("", "", "", index))
                 current = state.get(key) or [*base.vectors(op.layer, op.feature), None]
                 new = (op.gate, op.up, op.down, op.gate_bias)
                 state[key] = [v if v is not None else old for v, old in zip(new, current)]
@@ -335,11 +370,13 @@ class PatchOverlay:
             gate, up, down = (np.stack([v[i] for _, v in items]).astype(np.float32) for i in range(3))
             gated = np.array([v[3] is not None for _, v in items])
             bias = np.array([v[3] or 0.0 for _, v in items], np.float32)
+            group = fact_groups([facts[(layer, f)] for f, _ in items], gated)
             h = hashlib.sha256(features.tobytes())
             for a in (gate, up, down, bias):
                 h.update(np.ascontiguousarray(a, "<f4").tobytes())
             h.update(gated.tobytes())
-            layers[layer] = LayerOverrides(features, gate, up, down, bias, gated, h.hexdigest()[:16])
+            h.update(group.astype("<i8").tobytes())
+            layers[layer] = LayerOverrides(features, gate, up, down, bias, gated, h.hexdigest()[:16], group)
         return cls(layers, patches)
 
     def has_overrides_at(self, layer: int) -> bool:
