@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from larql_desktop.engine.analysis.reply_pass import run_reply_pass
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.model.transformer import KvCache
@@ -16,6 +17,7 @@ from larql_desktop.engine.services import contains_word, starts_with_word
 
 FIRST = Fact("Tarnhollow", "capital-of", "Gildmere")
 SECOND = Fact("Mossgrave Abbey", "founder-of", "Isolde")
+SAME_RELATION = Fact("Quillmarsh", "capital-of", "Orrindel")     # FIRST's relation: the keys' nearest rival
 CONTROL = "Water boils at a temperature of"
 REPLY_TOKENS = 40
 # The exchange of issue 33's report: after it, the reply named the earlier answer ("The capital of Tarnhollow is
@@ -116,3 +118,33 @@ def test_bad_inserts_are_refused_with_a_reason_and_change_nothing(first_inserted
     with pytest.raises(ValueError, match="already applied"):
         engine.apply_patch(first.patch)
     assert engine.patches.epoch == epoch and engine.applied_patches == applied
+
+
+def test_two_facts_under_one_relation_each_answer_and_only_their_own_key_writes(first_inserted):
+    """Two invented facts of one relation installed one after the other: each question, asked fresh, and the later
+    fact's asked after the earlier fact's question was asked and answered, names its own target; and at every
+    position its reply is sampled from, only the asked fact's features hold their slots (the later key was solved
+    with the earlier fact's questions and answers among what it must leave alone; where keys of both fire at one
+    layer, the stronger fact writes alone). (The earlier fact asked after the later one's exchange still copies
+    the later target from the context: issue 33's closing note.)"""
+    engine, first = first_inserted
+    engine = LarqlEngine(engine.model, walk=WalkSettings(dense=True))
+    engine.apply_patch(first.patch)
+    later = engine.insert(SAME_RELATION)
+    own = {FIRST: set(first.patch.features), SAME_RELATION: set(later.patch.features)}
+
+    def question(fact: Fact) -> dict:
+        return {"role": "user", "content": f"What is the capital of {fact.entity}?"}
+    answered_first = [question(FIRST), {"role": "assistant", "content": f"The capital of {FIRST.entity} is {FIRST.target}."}]
+    for asked, other, messages in ((FIRST, SAME_RELATION, [question(FIRST)]),
+                                   (SAME_RELATION, FIRST, [question(SAME_RELATION)]),
+                                   (SAME_RELATION, FIRST, answered_first + [question(SAME_RELATION)])):
+        answer, tokens = reply(engine, messages, engine.patches)
+        assert contains_word(answer, asked.target) and not contains_word(answer, other.target), (messages, answer)
+        # Every position the reply was sampled from: the asked fact's features write there, the other's none.
+        ids = engine.model.encode_prompt(messages)
+        at = list(range(len(ids) - 1, len(ids) + len(tokens) - 1))
+        fired = run_reply_pass(engine, ids + tokens[:-1], at).fired_features
+        holding = {(layer, f) for layer, per_position in enumerate(fired) for features in per_position
+                   for f in features}
+        assert holding and holding <= own[asked], (asked, holding)

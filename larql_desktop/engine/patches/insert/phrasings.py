@@ -86,6 +86,7 @@ CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefl
 FOLLOW_UP = "And what about {e}? What is its {r}?"
 OWN_ANSWER_WORDS = 12    # of the model's own answer used as an earlier assistant turn
 NEGATIVES_PER_CONTEXT = 6
+EARLIER_FACTS_PER_CONVERSATION = 6    # earlier facts' questions per negative conversation (earlier_fact_conversations)
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
 COPULA = re.compile(r"\b(is|are|was|were)$")
 SENTENCE_END = re.compile(r"[.!?]\s|\n")     # one token past the mark: "3.5 million" goes on
@@ -230,13 +231,14 @@ class Contexts(Capturing):
         position must leave the model alone (the reply keeps its real answer)."""
         r = fact.relation_words
         out = []
+        neighbours = [w for w in CONVERSATION_NEIGHBOURS if w.lower() != fact.entity.strip().lower()]
         for i, (system, history) in enumerate(self.conversation_histories(fact)):
             # Each neighbour asked in turn: the assistant's first position after each question is where a key
             # that learned "a reply to this relation's question" rather than "about this entity" would fire.
             asked = []
             for k in range(NEIGHBOURS_PER_CONVERSATION):
                 at = i * NEIGHBOURS_PER_CONVERSATION + k
-                neighbour = CONVERSATION_NEIGHBOURS[at % len(CONVERSATION_NEIGHBOURS)]
+                neighbour = neighbours[at % len(neighbours)]
                 asked += [{"role": "user", "content": fill(QUESTIONS[(i + k) % 2], r, neighbour)},
                           {"role": "assistant", "content": self.own_answer(r, neighbour)}]
             out.append(tuple(self.conversation_ids(system, history + asked, "Thanks!")))
@@ -291,15 +293,12 @@ class Contexts(Capturing):
                      + list(GENERIC_SENTENCES[::5]) + list(GENERIC_SENTENCES[-PLACE_SENTENCES:])
                      + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.base_continuation(text) for text in continued]
-        # Earlier facts: this feature must not fire on their questions.
-        for op in (op for p in current.patches for op in p.operations):
-            if op.op == "insert" and op.entity and op.relation and (op.token_index or 0) == 0:
-                try:
-                    earlier = Fact(op.entity, op.relation, op.target)
-                except ValueError:
-                    continue
-                texts += [earlier.canonical_prompt, fill(same_relation[2], earlier.relation_words,
-                                                         earlier.entity.strip())]
+        # Earlier facts: this feature must not fire on their questions, nor within or after their answers (a
+        # later target's second-token key would go on with an earlier target: "Kaskel" -> "Kaskelish").
+        earlier_facts = self.earlier_facts(fact, current)
+        for earlier in earlier_facts:
+            texts += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
+                      fill(same_relation[2], earlier.relation_words, earlier.entity.strip())]
         # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
         # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
         texts = list(dict.fromkeys(texts))
@@ -315,4 +314,36 @@ class Contexts(Capturing):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
                 out.append(tuple(self.model.encode_prompt(messages[:-1])))
             out += self.conversation_negatives(fact)
+            out += self.earlier_fact_conversations(earlier_facts)
+        return out
+
+    @staticmethod
+    def earlier_facts(fact: Fact, current: PatchOverlay) -> list[Fact]:
+        """The facts INSERTed in `current` (in order, once each), but `fact`'s own (entity, relation)."""
+        own = (fact.entity.strip().lower(), fact.relation.strip().lower())
+        found: dict[tuple[str, str], Fact] = {}
+        for op in (op for p in current.patches for op in p.operations):
+            if op.op == "insert" and op.entity and op.relation and op.target and (op.token_index or 0) == 0:
+                key = (op.entity.strip().lower(), op.relation.strip().lower())
+                if key != own and key not in found:
+                    try:
+                        found[key] = Fact(op.entity, op.relation, op.target)
+                    except ValueError:
+                        continue
+        return list(found.values())
+
+    def earlier_fact_conversations(self, earlier: Sequence[Fact]) -> list[tuple[int, ...]]:
+        """Earlier facts' chat questions, each answered with its target, EARLIER_FACTS_PER_CONVERSATION to a
+        conversation: the assistant's first position after each is where a later fact's key must stay silent,
+        so each fact's questions are its own key's alone, with every fact installed and after any one is
+        removed (the earlier fact's prompts then give what the model gave before it). Chunked from the first fact, so the conversations of
+        facts installed before are the same for every later insert (their captures are remembered)."""
+        out = []
+        for i in range(0, len(earlier), EARLIER_FACTS_PER_CONVERSATION):
+            asked = []
+            for f in earlier[i:i + EARLIER_FACTS_PER_CONVERSATION]:
+                r, e = f.relation_words, f.entity.strip()
+                asked += [{"role": "user", "content": fill(QUESTIONS[0], r, e)},
+                          {"role": "assistant", "content": f"{fill(ANSWER_STARTS[0], r, e)} {f.target.strip()}."}]
+            out.append(tuple(self.conversation_ids(None, asked, "Thanks!")))
         return out
