@@ -276,12 +276,9 @@ class LayerOverrides:
     gate_bias: np.ndarray  # (n,)
     gated: np.ndarray      # (n,) bool: inserted features (with a gate bias) take their slot only where they fire
     epoch: str
-    # (n,) int: the fact each gated feature writes (fact_groups); features of different facts compete (holding)
-    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    group: np.ndarray      # (n,) int: the fact each gated feature writes (fact_groups), -1 for a plain override
 
     def __post_init__(self):
-        if self.group.shape != self.features.shape:
-            object.__setattr__(self, "group", np.where(self.gated, 0, -1).astype(np.int64))
         for a in (self.features, self.gate, self.up, self.down, self.gate_bias, self.gated, self.group):
             a.flags.writeable = False
 

@@ -334,9 +334,8 @@ class Contexts(Capturing):
 
     def earlier_fact_conversations(self, earlier: Sequence[Fact]) -> list[tuple[int, ...]]:
         """Earlier facts' chat questions, each answered with its target, EARLIER_FACTS_PER_CONVERSATION to a
-        conversation: the assistant's first position after each is where a later fact's key must stay silent,
-        so each fact's questions are its own key's alone, with every fact installed and after any one is
-        removed (the earlier fact's prompts then give what the model gave before it). Chunked from the first fact, so the conversations of
+        conversation: the assistant's first position after each is where a later fact's key must stay silent, so
+        the earlier fact's questions are left to its own key. Chunked from the first fact, so the conversations of
         facts installed before are the same for every later insert (their captures are remembered)."""
         out = []
         for i in range(0, len(earlier), EARLIER_FACTS_PER_CONVERSATION):
