@@ -330,3 +330,46 @@ def test_relation_frames_join_the_generated_phrasings():
         for frame in frames:
             filled = frame.format(e="x", E="X")   # only {e} and {E}: a frame names no relation word of its own
             assert filled.strip() == filled and not filled.endswith((".", "?")), (name, frame)
+
+
+def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smollm2, monkeypatch):
+    """The negatives' FFN inputs under the base weights, from the lowest layer an insert keys on, are what a
+    whole pass computes there, kept between inserts within a byte bound (the least recently used forgotten
+    first); and the earlier facts' statements come in the same contexts whichever fact is inserted next, so a
+    later insert finds them remembered."""
+    from larql_desktop.engine.model.overlay import Patch, PatchOperation, PatchOverlay
+    from larql_desktop.engine.patches.insert import capture
+    from larql_desktop.engine.patches.insert.phrasings import NEGATIVES_PER_CONTEXT
+
+    ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    n_layers, low = smollm2.config.n_layers, smollm2.config.n_layers // 2
+    ids = [tuple(ins.encode(t)) for t in ("The capital of France is Paris, a city on the Seine.",
+                                          "Water boils at a temperature of", "Hello there.")]
+    assert len(ids[2]) <= len(ids[1])
+    whole = ins.capture(ids[0], PatchOverlay()).inputs
+    late = ins.base_inputs(ids[0], low)
+    assert all(x is None for x in late[:low])
+    for i in range(low, n_layers):
+        np.testing.assert_array_equal(late[i], whole[i])
+    assert ins.base_inputs(ids[0], low + 3) is late              # remembered: its layers are among those kept
+    earlier = ins.base_inputs(ids[0], low - 2)                   # an earlier layer than kept: captured again
+    np.testing.assert_array_equal(earlier[low - 2], whole[low - 2])
+    second = ins.base_inputs(ids[1], low - 2)
+    size = sum(x.nbytes for x in earlier + second if x is not None)
+    monkeypatch.setattr(capture, "CAPTURE_MEMORY_BYTES", size)
+    assert ins.base_inputs(ids[0], low) is earlier               # used last now: the second is the oldest
+    ins.base_inputs(ids[2], low - 2)                             # over the bound: the second is forgotten
+    assert ins.base_inputs(ids[0], low) is earlier and ins.base_inputs(ids[1], low - 2) is not second
+
+    entities = ("Brenmoor", "Ostvania", "Pellagor", "Quendaria", "Varnholt")
+    facts = [Fact(e, "capital-of", f"Tar{i}") for i, e in enumerate(entities)]
+    patches = tuple(Patch((PatchOperation("insert", 24, i, entity=f.entity, relation=f.relation, target=f.target,
+                                          token_index=0),), smollm2.name, smollm2.checksum)
+                    for i, f in enumerate(facts))
+    current = PatchOverlay({}, patches)
+    statements = [s for f in facts for s in (f"{f.canonical_prompt} {f.target}.",
+                                             f"In {f.entity}, the {f.relation_words} is")]
+    chunks = {tuple(ins.encode("\n".join(statements[i:i + NEGATIVES_PER_CONTEXT])))
+              for i in range(0, len(statements), NEGATIVES_PER_CONTEXT)}
+    for fact in (Fact("Quillmarsh", "capital-of", "Orrindel"), Fact("Mossgrave Abbey", "founder-of", "Isolde")):
+        assert chunks <= set(ins.negative_contexts(fact, current)), fact

@@ -5,6 +5,7 @@ the cancel check every step of an insert makes."""
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from itertools import islice, takewhile
 from typing import Callable, NamedTuple, Sequence
 
@@ -20,8 +21,10 @@ from larql_desktop.engine.model.transformer import KvCache
 CONTINUATION_TOKENS = 10
 GREEDY_ROWS = 16         # base continuations decoded together in one batched decoder call (greedy_many)
 CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
-CAPTURE_MEMORY = 64
-FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this     # negative contexts remembered by an Inserter (each T x d x layers floats)
+# The negatives' FFN inputs an Inserter remembers, least recently used forgotten first (base_inputs): one
+# insert's negatives are ~50 contexts of ~90 tokens, ~5 MB each over SmolLM2's 30 layers.
+CAPTURE_MEMORY_BYTES = 256 * 2 ** 20
+FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this
 
 
 class GreedyRequest(NamedTuple):
@@ -64,6 +67,13 @@ class Captured(NamedTuple):
     residuals: Sequence
 
 
+class RememberedInputs(NamedTuple):
+    """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them."""
+    from_layer: int
+    inputs: list
+    nbytes: int
+
+
 class InsertCancelled(Exception):
     """The insert was cancelled between two of its steps; nothing was installed."""
 
@@ -95,7 +105,7 @@ class Capturing:
     model: LoadedModel
     ffn: Callable[[PatchOverlay], WalkFfn]
     walk: WalkSettings
-    _captured: dict[tuple, "Captured"]
+    _remembered: "OrderedDict[tuple[int, ...], RememberedInputs]"
     _continued: dict[str, list[int]]
     _deferred: list[GreedyRequest] | None
     _batched: list[OnnxBatchedDecoder | None]     # empty until made (batched_decoder)
@@ -261,21 +271,31 @@ class Capturing:
         return self.model.tokenizer.decode(self.remembered_greedy(self._continued, text, self.encode(text),
                                                                   CONTINUATION_TOKENS))
 
-    def capture(self, ids: Sequence[int], overlay: PatchOverlay, remember: bool = False) -> "Captured":
+    def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> "Captured":
         """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
-        With `remember`, kept per overlay epoch (the negatives, captured under the base weights, serve every
-        later insert of this Inserter; a few dozen contexts of a few MB each). Users of the KV cache truncate it
-        to the length they need first."""
-        key = (tuple(ids), overlay.epoch)
-        if key in self._captured:
-            return self._captured[key]
-        captured = self._capture(ids, overlay)
-        if remember:
-            captured = Captured(captured.inputs, captured.logits, captured.kv, ())   # never resumed: keep less
-            if len(self._captured) >= CAPTURE_MEMORY:
-                self._captured.pop(next(iter(self._captured)))      # the oldest
-            self._captured[key] = captured
-        return captured
+        Users of the KV cache truncate it to the length they need first."""
+        return self._capture(ids, overlay)
+
+    def base_inputs(self, ids: Sequence[int], from_layer: int) -> list[np.ndarray | None]:
+        """Per layer the normed FFN inputs (T, d) of `ids` under the base weights, from `from_layer` on (None
+        before it: INSERT keys only the late half of the network, or from a layer the user pins), remembered.
+        The negatives are captured under the base weights (earlier facts' features fire only on their own
+        questions), and most are the same from one insert to the next: the relation's decoys, the generic
+        sentences, the earlier facts' questions and answers. Least recently used forgotten first, within
+        CAPTURE_MEMORY_BYTES; a FIFO of a fixed count forgot each one just before the next insert asked again."""
+        key = tuple(ids)
+        known = self._remembered.get(key)
+        if known is not None and known.from_layer <= from_layer:
+            self._remembered.move_to_end(key)
+            return known.inputs
+        captured = self._capture(key, PatchOverlay())
+        inputs = [x.copy() if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        if known is not None:
+            del self._remembered[key]
+        self._remembered[key] = RememberedInputs(from_layer, inputs, sum(x.nbytes for x in inputs if x is not None))
+        while sum(r.nbytes for r in self._remembered.values()) > CAPTURE_MEMORY_BYTES and len(self._remembered) > 1:
+            self._remembered.popitem(last=False)
+        return inputs
 
     def capture_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay,
                     stop: "Cancel | None" = None) -> list["Captured"]:

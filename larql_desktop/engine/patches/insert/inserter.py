@@ -3,6 +3,7 @@ find the value's scale, install, resume the captures, and on to the next layer o
 prompt if the writes overshoot it."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -13,7 +14,7 @@ from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
-from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, softmax
+from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
 from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
                                                       key_layers, step_pair)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
@@ -63,7 +64,7 @@ class Inserter(Contexts, Values):
         self.base = base
         self.walk = walk
         self._post_norms: dict[int, np.ndarray | None] = {}
-        self._captured: dict[tuple, Captured] = {}
+        self._remembered: OrderedDict[tuple[int, ...], RememberedInputs] = OrderedDict()
         self._continued: dict[str, list[int]] = {}
         self._own_replies: dict[tuple, list[int]] = {}
         self._own_answers: dict[str, list[int]] = {}
@@ -128,19 +129,17 @@ class Inserter(Contexts, Values):
         required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
         negatives = self.negative_contexts(fact, current)
         report("Capturing the contexts it must leave alone", 0.05)
+        candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
+        if layer is not None:
+            candidates = [layer] + [c for c in candidates if c != layer]
         negative_inputs = []
         for ids in negatives:
             stop.check()
-            # Under the base weights: earlier facts' features fire only on their own questions, and so the
-            # captures serve every later insert of this engine too.
-            negative_inputs.append(self.capture(ids, PatchOverlay(), remember=True)[0])
+            negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
         rounds = 0
-        candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
-        if layer is not None:
-            candidates = [layer] + [c for c in candidates if c != layer]
         previous = (0, (), [])     # the last step's index, contexts and captures
         # One step per target token, then one for the word's end: "Ottoline" must not go on as "Ottolineus".
         boundary = len(targets)

@@ -296,14 +296,17 @@ class Contexts(Capturing):
         # Earlier facts: this feature must not fire on their questions, nor within or after their answers (a
         # later target's second-token key would go on with an earlier target: "Kaskel" -> "Kaskelish").
         earlier_facts = self.earlier_facts(fact, current)
+        statements = []
         for earlier in earlier_facts:
-            texts += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
-                      fill(same_relation[2], earlier.relation_words, earlier.entity.strip())]
+            statements += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
+                           fill(same_relation[2], earlier.relation_words, earlier.entity.strip())]
         # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
         # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
+        # The earlier facts' statements in contexts of their own, chunked from the first fact: the same contexts
+        # for every later insert, so their captures are remembered (Capturing.base_inputs).
         texts = list(dict.fromkeys(texts))
-        out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
-               for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+        out = [tuple(self.encode("\n".join(group[i:i + NEGATIVES_PER_CONTEXT])))
+               for group in (texts, statements) for i in range(0, len(group), NEGATIVES_PER_CONTEXT)]
         if self.model.is_chat:
             # Chat questions about other things, as the turns of two conversations (each user turn ends in the
             # position where the assistant starts: the feature must stay silent there too).
