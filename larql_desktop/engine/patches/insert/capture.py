@@ -288,8 +288,9 @@ class Capturing:
         if known is not None and known.from_layer <= from_layer:
             self._remembered.move_to_end(key)
             return known.inputs
+        # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
         captured = self._capture(key, PatchOverlay())
-        inputs = [x.copy() if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        inputs = [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
         if known is not None:
             del self._remembered[key]
         self._remembered[key] = RememberedInputs(from_layer, inputs, sum(x.nbytes for x in inputs if x is not None))
