@@ -61,6 +61,19 @@ def test_kv_cache_decode_equals_full_prefill(smollm2):
     assert cos.min() > 0.99
 
 
+def test_kv_cache_is_one_block_that_grows_keeping_its_contents_and_lists(smollm2):
+    """Every layer's keys and values are views of one zeroed allocation (mapped fresh, so capacity not yet
+    written costs no memory); growing copies what was written and keeps the lists their holders see."""
+    kv = KvCache(smollm2.config, capacity=4)
+    assert all(array.base is kv.keys[0].base is not None for array in kv.keys + kv.values)
+    smollm2.transformer.forward(smollm2.tokenizer.encode("The quick brown fox"), kv, smollm2.ffn)
+    keys, written = kv.keys, [k[:, :kv.length].copy() for k in kv.keys]
+    kv.reserve(64)
+    assert kv.keys is keys and kv.keys[0].shape[1] == 64
+    assert all(array.base is kv.keys[0].base is not None for array in kv.keys + kv.values)
+    assert all(np.array_equal(k[:, :kv.length], w) and not k[:, kv.length:].any() for k, w in zip(kv.keys, written))
+
+
 def _greedy_with_margins(model, ids, n):
     """An independent greedy run (the per-layer forward pass, one token at a time): its tokens and, per step,
     the lead of the best logit over the second."""

@@ -251,7 +251,7 @@ def dequantize_rows(tensor: GgufTensor, rows) -> np.ndarray:
     n_rows = raw_rows.shape[0]
     if idx.size and (idx.min() < -n_rows or idx.max() >= n_rows):
         raise IndexError(f"{tensor.name}: row index out of range for {n_rows} rows")
-    picked = raw_rows[idx]  # fancy indexing copies just these rows out of the memmap
+    picked = tensor.read_rows(idx % n_rows, raw_rows.shape[1])
     flat = _dequantize_raw(tensor.qtype, picked.reshape(-1), idx.size * cols)
     return flat.reshape(idx.size, cols)
 

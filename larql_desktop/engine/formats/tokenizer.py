@@ -20,6 +20,7 @@ from __future__ import annotations
 import codecs
 import heapq
 import re
+from array import array
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -126,7 +127,8 @@ class Tokenizer:
             self.add_eos = False if add_eos is None else bool(add_eos)
             self.add_space_prefix = True if add_space_prefix is None else bool(add_space_prefix)
             given = np.zeros(n, dtype=np.float32) if scores is None else np.asarray(scores, dtype=np.float32)
-            self._scores: list[float] = given.astype(np.float64).tolist()
+            # A packed array, not a list: each read gives the same Python float, and 262k floats take 2 MB, not 8.
+            self._scores = array("d", given.astype(np.float64).tobytes())
             if len(self._scores) != n:
                 raise TokenizerError(f"scores has {len(self._scores)} entries for {n} tokens")
             self._byte_ids = [self._tok2id.get(f"<0x{b:02X}>") for b in range(256)]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import numpy as np
 
-from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel, stepper_of
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, TransformerModel, stepper_of, zeroed_layer_pairs
 
 T = TypeVar("T")
 INITIAL_CAPACITY = 256      # positions per row at first (KvCache's own default), doubled as rows grow
@@ -258,8 +258,7 @@ class DecodeBatch(Generic[T]):
             capacity *= 2
         cfg = self.model.config
         shape = (new_rows, cfg.n_kv_heads, capacity, cfg.head_dim)
-        keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
-        values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        keys, values = zeroed_layer_pairs(cfg.n_layers, shape)
         for new, old in zip(keys + values, self._keys + self._values):
             new[:have_rows, :, :self._capacity] = old
         self._keys, self._values, self._capacity = keys, values, capacity

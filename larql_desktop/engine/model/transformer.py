@@ -94,6 +94,15 @@ class AttentionWeights:
     post_ffn_norm: np.ndarray | None = None
 
 
+def zeroed_layer_pairs(n_layers: int, shape: tuple[int, ...]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Keys and values of `shape` for each of `n_layers` layers, all zeros, as views of one allocation. One block
+    of a cache's size is mapped fresh by the allocator, whose zero pages cost memory only once written; sixty
+    arrays of a few hundred kB each come from the heap's freed chunks instead, which calloc must clear, so a
+    new session's whole capacity (SmolLM2: 12 MB) was resident before its first token."""
+    block = np.zeros((2, n_layers, *shape), np.float32)
+    return list(block[0]), list(block[1])
+
+
 class KvCache:
     """Keys/values per layer, grown by doubling; `truncate` rolls the context back (regenerate)."""
 
@@ -101,9 +110,7 @@ class KvCache:
         self.config = config
         self.length = 0
         self._cap = capacity
-        shape = (config.n_kv_heads, capacity, config.head_dim)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
-        self.values = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+        self.keys, self.values = zeroed_layer_pairs(config.n_layers, (config.n_kv_heads, capacity, config.head_dim))
 
     def reserve(self, needed: int) -> None:
         if needed <= self._cap:
@@ -111,12 +118,11 @@ class KvCache:
         cap = self._cap
         while cap < needed:
             cap *= 2
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                new = np.zeros((old.shape[0], cap, old.shape[2]), np.float32)
-                new[:, :self.length] = old[:, :self.length]
-                store[i] = new
-        self._cap = cap
+        cfg = self.config
+        keys, values = zeroed_layer_pairs(cfg.n_layers, (cfg.n_kv_heads, cap, cfg.head_dim))
+        for new, old in zip(keys + values, self.keys + self.values):
+            new[:, :self.length] = old[:, :self.length]
+        self.keys[:], self.values[:], self._cap = keys, values, cap    # the same lists: holders see the new arrays
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
