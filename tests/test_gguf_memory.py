@@ -1,15 +1,20 @@
-"""Hashing a GGUF (a first load's checksum) reads the file without mapping it into the process: the pages it reads
-are the page cache's, not this process's resident memory, so they do not count in its peak RSS."""
+"""Hashing a GGUF (a first load's checksum) and reading token embeddings read the file without mapping its pages
+into the process: the pages they read are the page cache's, not this process's resident memory, so they do not
+count in its peak RSS."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 from larql_desktop.engine.catalog import resolve_model
 from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.formats.quants import dequantize_rows
+from resident import resident_kb
 
 
 def _resident_file_kb() -> int:
@@ -29,3 +34,19 @@ def test_hashing_a_gguf_keeps_its_pages_out_of_the_process(app_paths, tmp_path):
     assert digest == hashlib.sha256(copy.read_bytes()).hexdigest()
     size_kb = copy.stat().st_size // 1024
     assert grown < size_kb // 4, f"hashing mapped {grown} KB of a {size_kb} KB file into the process"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts resident pages through /proc")
+def test_embedding_rows_are_read_without_mapping_the_models_pages(app_paths):
+    """A token's embedding is read from the file, not through the memory map: a page touched through the map stays
+    resident with its neighbours (large page-cache folios are mapped whole; 120 random rows left 28 MB), so a
+    chat's lookups grew the process by tens of MB. The rows read equal the map's, bit for bit."""
+    packaged, _ = resolve_model("smollm2", app_paths)
+    gguf = GgufFile(packaged)
+    table = gguf.tensors["token_embd.weight"]
+    rows = np.random.default_rng(7).integers(0, table.shape[0], 400)
+    resident = resident_kb(gguf.path)
+    read = dequantize_rows(table, rows)
+    assert resident_kb(gguf.path) == resident
+    assert np.array_equal(read, dequantize_rows(dataclasses.replace(table, source=None), rows))  # through the map
+    assert resident_kb(gguf.path) > resident + 1024     # what the map costs: the check above can fail

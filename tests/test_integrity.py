@@ -30,9 +30,7 @@ from larql_desktop.engine.cache.keys import feature_key, key_features, select_fe
 from larql_desktop.engine.cache.tiers import CacheEntry, DEFAULT_MAX_DISTANCE, HitRule, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.formats.jsonfile import read_json
-from larql_desktop.engine.formats.quants import dequantize_rows
 from larql_desktop.engine.graphs.decoder import OnnxDecoder
 from larql_desktop.engine.graphs.store import GraphStore, file_digest, make_model, release_read_pages
 from larql_desktop.engine.loading import load_model
@@ -42,6 +40,7 @@ from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchError, encode_vector, parse_patch
 from greedy_runs import run_sequence
 from polling import wait_for
+from resident import resident_kb
 from test_l3 import NS, _entry, open_store, redis_url  # noqa: F401  (fixtures)
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -503,33 +502,6 @@ def test_the_checks_per_hit_and_per_load_pass_on_good_data(smollm2, gemma3, real
             assert store._manifest and all(store.is_valid(name) for name in store._manifest)
 
 
-def _resident_kb(path: Path) -> int:
-    """Resident kilobytes of this process's mappings of `path` (Linux's /proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split(None, 5)
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            inside = len(fields) == 6 and fields[5] == str(path.resolve())
-        elif inside and fields[:1] == ["Rss:"]:
-            total += int(fields[1])
-    return total
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts resident pages through /proc")
-def test_embedding_rows_are_read_without_mapping_the_models_pages(smollm2):
-    """A token's embedding is read from the GGUF file, not through its memory map: a page touched through the
-    map stays resident with its neighbours (large page-cache folios are mapped whole; 120 random rows left 28 MB),
-    so a chat's lookups grew the process by tens of MB. The rows read equal the map's, bit for bit."""
-    gguf = GgufFile(smollm2.gguf.path)
-    table = gguf.tensors["token_embd.weight"]
-    rows = np.random.default_rng(7).integers(0, table.shape[0], 400)
-    resident = _resident_kb(gguf.path)
-    read = dequantize_rows(table, rows)
-    assert _resident_kb(gguf.path) == resident
-    assert np.array_equal(read, dequantize_rows(dataclasses.replace(table, source=None), rows))  # through the map
-    assert _resident_kb(gguf.path) > resident + 1024     # what the map costs: the check above can fail
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads and releases pages through /proc and madvise")
 def test_the_decoders_weight_file_pages_are_released_once_prepacked_and_read_back_the_same(smollm2, app_paths):
     """onnxruntime maps the optimised decoder's weights file and reads it to prepack its weights: a load drops
@@ -540,14 +512,14 @@ def test_the_decoders_weight_file_pages_are_released_once_prepacked_and_read_bac
     decoder = OnnxDecoder(smollm2.gguf, smollm2.config, smollm2.checksum, app_paths.onnx_dir)
     decoder.load_sessions()
     data = next(decoder.directory.glob("decoder.optimized-ort*.onnx.data"))
-    assert data.stat().st_size > 50 * 2 ** 20 and _resident_kb(data) == 0          # of a 100 MB file
+    assert data.stat().st_size > 50 * 2 ** 20 and resident_kb(data) == 0          # of a 100 MB file
     ids = np.array(smollm2.encode_prompt([{"role": "user", "content": PROMPT}]), np.int64)
 
     def dense_logits() -> np.ndarray:
         return decoder.run(smollm2.transformer.embed(ids), 0, KvCache(smollm2.config), smollm2.transformer.rope)
 
     before = dense_logits()
-    assert release_read_pages(data) > 0 and _resident_kb(data) == 0
+    assert release_read_pages(data) > 0 and resident_kb(data) == 0
     assert np.array_equal(dense_logits(), before)
     assert np.argmax(before[-1]) == np.argmax(smollm2.transformer.decoder.run(
         smollm2.transformer.embed(ids), 0, KvCache(smollm2.config), smollm2.transformer.rope)[-1])

@@ -161,7 +161,7 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     graphs: what the walk FFN runs), "decoder" (only the whole-model graph: a plain dense run), "none".
     Each set holds its own copy of the weights in onnxruntime's packed form, so loading only what the current
     FFN mode runs keeps memory down (peak RSS in `larql-desktop bench`, dense on the decoder alone: SmolLM2
-    271 MB, Gemma 3 270M 495 MB; a walk, on the per-layer and walk decoder graphs, about twice as much)."""
+    255-273 MB, Gemma 3 270M 477 MB; a walk, on the per-layer and walk decoder graphs, about twice as much)."""
     if preload not in PRELOAD_CHOICES:
         raise ValueError(f"preload must be one of {', '.join(PRELOAD_CHOICES)}, not {preload!r}")
     started = time.perf_counter()
@@ -170,7 +170,6 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
         progress(f"Reading {path.name}", 0.05)
     gguf = GgufFile(path)
     config = ModelConfig.from_gguf(gguf)
-    tokenizer = Tokenizer.from_gguf(gguf)
     if progress:
         progress("Checking the model's checksum", 0.1)
     checksum = cached_checksum(path, paths.cache, gguf)
@@ -200,6 +199,9 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
         blocks.load_sessions(gated=False)
         ffn.load_sessions()
     transformer.use_graphs(blocks, decoder, OnnxSoftmax(config.vocab_size, threads))
+    # After the sessions: onnxruntime's load peaks (weights being prepacked beside the pages it read), and Gemma
+    # 3's tokenizer (262k pieces: ~25 MB of Python objects) no longer adds to that peak.
+    tokenizer = Tokenizer.from_gguf(gguf)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.2f s", path.name, seconds)
     return LoadedModel(spec.key if spec else path.stem, spec, path, gguf, config, checksum, tokenizer,
