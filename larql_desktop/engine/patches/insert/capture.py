@@ -16,7 +16,7 @@ from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.overlay import PatchOperation, PatchOverlay
-from larql_desktop.engine.model.transformer import KvCache
+from larql_desktop.engine.model.transformer import KvCache, zeroed_layer_pairs
 
 CONTINUATION_TOKENS = 10
 GREEDY_ROWS = 16         # base continuations decoded together in one batched decoder call (greedy_many)
@@ -216,8 +216,7 @@ class Capturing:
         # Every row steps until the last closes: room for the longest prompt and the most tokens asked.
         capacity = max(len(r.ids) for r in requests) + max(r.n for r in requests) + 1
         shape = (B, cfg.n_kv_heads, capacity, cfg.head_dim)
-        keys = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
-        values = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        keys, values = zeroed_layer_pairs(cfg.n_layers, shape)
         tokens = np.zeros(B, np.int64)
         positions = np.zeros(B, np.int64)
         previous: tuple[tuple[int, ...], KvCache] | None = None
