@@ -10,6 +10,8 @@ through the `Stepper` an FFN brings.
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Protocol, TypeVar
 
@@ -95,11 +97,17 @@ class AttentionWeights:
 
 
 def zeroed_layer_pairs(n_layers: int, shape: tuple[int, ...]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Keys and values of `shape` for each of `n_layers` layers, all zeros, as views of one allocation. One block
-    of a cache's size is mapped fresh by the allocator, whose zero pages cost memory only once written; sixty
-    arrays of a few hundred kB each come from the heap's freed chunks instead, which calloc must clear, so a
-    new session's whole capacity (SmolLM2: 12 MB) was resident before its first token."""
-    block = np.zeros((2, n_layers, *shape), np.float32)
+    """Keys and values of `shape` for each of `n_layers` layers, all zeros, as views of one anonymous mapping in
+    small pages: memory only for the pages written. A cache is written sparsely, a few positions of every head of
+    every layer (one head's rows of a 256-position SmolLM2 cache are 64 kB apart), so numpy's own allocation,
+    which asks for huge pages for arrays this large, made the whole capacity resident at the first token (its
+    first write to each 2 MB page faults in all of it): 12 MB a session, a batch pool of 8 rows 94 MB. Arrays
+    from the heap instead come from freed chunks that calloc must clear, resident as well."""
+    count = 2 * n_layers * math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * 4))       # anonymous: zero-filled by the kernel
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):           # where huge pages are on for every mapping, not only on request
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    block = np.frombuffer(pages, np.float32, count=count).reshape((2, n_layers, *shape))
     return list(block[0]), list(block[1])
 
 
