@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from larql_desktop.engine.model.config import ModelConfig
-from larql_desktop.engine.formats.gguf import GgufError, GgufFile
+from larql_desktop.engine.formats.gguf import DEFERRED_ARRAY_MIN, GgufError, GgufFile
 from model_files import gguf_path
 
 gguf_pkg = pytest.importorskip("gguf")
@@ -65,6 +65,18 @@ def test_real_headers_parse(reference):
     gemma = ModelConfig.from_gguf(GgufFile(gguf_path("gemma3-270m")))
     assert [layer for layer in range(gemma.n_layers) if not gemma.is_local_layer(layer)] == [5, 11, 17]
     assert gemma.rope_base_for(0) == 10_000.0 and gemma.rope_base_for(5) == 1_000_000.0
+
+
+def test_a_vocabularys_arrays_are_read_when_asked_and_not_kept():
+    """The tokenizer reads the vocabulary's arrays once and keeps its own form of them; the metadata keeps only
+    where they lie, so they are no second copy (Gemma 3: 262k strings), and each read is a fresh, equal one."""
+    g = GgufFile(gguf_path("gemma3-270m"))
+    tokens = g.metadata["tokenizer.ggml.tokens"]
+    again = g.get("tokenizer.ggml.tokens")
+    assert len(tokens) == ModelConfig.from_gguf(g).vocab_size and tokens == again and tokens is not again
+    assert np.array_equal(g.metadata["tokenizer.ggml.scores"], dict(g.metadata.items())["tokenizer.ggml.scores"])
+    held = [value for value in dict.values(g.metadata) if isinstance(value, (list, np.ndarray))]
+    assert all(len(value) < DEFERRED_ARRAY_MIN for value in held)
 
 
 def test_tiny_gguf_round_trip(tmp_path):

@@ -96,6 +96,45 @@ class GgufTensor:
         return out
 
 
+# Metadata arrays of at least this many elements (a vocabulary's tokens, merges, scores and types) are read when
+# asked for, each time, not when the file is opened: see GgufMetadata.
+DEFERRED_ARRAY_MIN = 4096
+
+
+class _DeferredArray:
+    """Where a large metadata array lies in the file: read by `load` (checked when the file was opened)."""
+    __slots__ = ("buf", "pos", "etype", "count", "path")
+
+    def __init__(self, buf, pos: int, etype: int, count: int, path):
+        self.buf, self.pos, self.etype, self.count, self.path = buf, pos, etype, count, path
+
+    def load(self):
+        cursor = _Cursor(self.buf, self.path)
+        cursor.pos = self.pos
+        return cursor.array(self.etype, self.count)
+
+
+class GgufMetadata(dict):
+    """The metadata keys and values; a large array is read from the file each time it is asked for, not kept.
+    A vocabulary's arrays are read once, by the tokenizer, which keeps what it needs in its own form: kept here
+    too they were a second copy for the process's life (Gemma 3's 262k token strings, scores and types), and
+    made when the file was opened, they were resident through the onnxruntime sessions' load, whose peak sets
+    the process's (the tokenizer is built after it)."""
+
+    def __getitem__(self, key: str):
+        value = super().__getitem__(key)
+        return value.load() if isinstance(value, _DeferredArray) else value
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def values(self):           # type: ignore[override]
+        return [self[key] for key in self]
+
+    def items(self):            # type: ignore[override]
+        return [(key, self[key]) for key in self]
+
+
 class _Cursor:
     __slots__ = ("buf", "pos", "size", "path")
 
@@ -126,17 +165,11 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             etype, count = self.unpack("<IQ")
-            if etype == _STRING:
-                return self.string_array(count)
-            if etype in _SCALAR_DTYPES:
-                dtype = _SCALAR_DTYPES[etype]
-                self.need(count * dtype.itemsize)
-                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
-                self.pos += count * dtype.itemsize
-                return arr.astype(bool) if etype == _BOOL else arr
-            if etype == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(count)]
-            raise GgufError(f"{self.path}: unknown GGUF array element type {etype}")
+            if count >= DEFERRED_ARRAY_MIN and (etype == _STRING or etype in _SCALAR_DTYPES):
+                deferred = _DeferredArray(self.buf, self.pos, etype, count, self.path)
+                self.skip_array(etype, count)
+                return deferred
+            return self.array(etype, count)
         if vtype in _SCALAR_DTYPES:
             dtype = _SCALAR_DTYPES[vtype]
             self.need(dtype.itemsize)
@@ -144,6 +177,36 @@ class _Cursor:
             self.pos += dtype.itemsize
             return bool(v) if vtype == _BOOL else v.item()
         raise GgufError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+
+    def array(self, etype: int, count: int):
+        """The `count` elements of type `etype` at the cursor (a list, or a numpy array of numbers)."""
+        if etype == _STRING:
+            return self.string_array(count)
+        if etype in _SCALAR_DTYPES:
+            dtype = _SCALAR_DTYPES[etype]
+            self.need(count * dtype.itemsize)
+            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return arr.astype(bool) if etype == _BOOL else arr
+        if etype == _ARRAY:
+            return [self.value(_ARRAY) for _ in range(count)]
+        raise GgufError(f"{self.path}: unknown GGUF array element type {etype}")
+
+    def skip_array(self, etype: int, count: int) -> None:
+        """Move past `count` strings or numbers of type `etype`, checking they are all in the file."""
+        if etype != _STRING:
+            nbytes = count * _SCALAR_DTYPES[etype].itemsize
+            self.need(nbytes)
+            self.pos += nbytes
+            return
+        buf, pos, size, unpack = self.buf, self.pos, self.size, struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise GgufError(f"{self.path}: truncated GGUF string array")
+            pos += 8 + unpack("<Q", buf, pos)[0]
+        if pos > size:
+            raise GgufError(f"{self.path}: truncated GGUF string array")
+        self.pos = pos
 
     def string_array(self, count: int) -> list[str]:
         # Strings are length-prefixed; walk the lengths, then decode each slice once.
@@ -188,7 +251,7 @@ class GgufFile:
         n_tensors, n_kv = cur.unpack("<QQ")
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
             raise GgufError(f"{self.path}: implausible GGUF header counts ({n_tensors} tensors, {n_kv} keys)")
-        self.metadata: dict[str, object] = {}
+        self.metadata = GgufMetadata()
         for _ in range(n_kv):
             key = cur.string()
             vtype = cur.unpack("<I")
