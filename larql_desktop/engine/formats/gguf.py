@@ -2,7 +2,9 @@
 
 The `gguf` package's reader parses vocabulary arrays element by element (tens of seconds for
 Gemma's 262k-entry vocab); here string arrays are decoded in one pass over a bytes view and
-numeric arrays become numpy views, so a header loads in a fraction of a second.
+numeric arrays are copied out whole, so a header loads in a fraction of a second. A vocabulary-sized
+array is only checked when the file opens and decoded each time it is asked for (GgufMetadata), and
+a few rows of a tensor are read from the file rather than through the map (GgufTensor.read_rows).
 """
 from __future__ import annotations
 
@@ -227,7 +229,7 @@ class _Cursor:
 
 
 class GgufFile:
-    """An open GGUF file. `metadata` is a dict; `tensors` maps names to GgufTensor views."""
+    """An open GGUF file. `metadata` is a GgufMetadata (a dict); `tensors` maps names to GgufTensor views."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
