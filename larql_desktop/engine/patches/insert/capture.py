@@ -270,11 +270,6 @@ class Capturing:
         return self.model.tokenizer.decode(self.remembered_greedy(self._continued, text, self.encode(text),
                                                                   CONTINUATION_TOKENS))
 
-    def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> "Captured":
-        """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
-        Users of the KV cache truncate it to the length they need first."""
-        return self._capture(ids, overlay)
-
     def base_inputs(self, ids: Sequence[int], from_layer: int) -> list[np.ndarray | None]:
         """Per layer the normed FFN inputs (T, d) of `ids` under the base weights, from `from_layer` on (None
         before it: INSERT keys only the late half of the network, or from a layer the user pins), remembered.
@@ -288,7 +283,7 @@ class Capturing:
             self._remembered.move_to_end(key)
             return known.inputs
         # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
-        captured = self._capture(key, PatchOverlay())
+        captured = self.capture(key, PatchOverlay())
         inputs = [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
         if known is not None:
             del self._remembered[key]
@@ -314,7 +309,7 @@ class Capturing:
             ids = tuple(contexts[i])
             shared = common_prefix(previous, ids)
             if source is None or shared == 0:
-                captured = self._capture(ids, overlay)
+                captured = self.capture(ids, overlay)
             else:
                 captured = self._capture_after(ids, shared, source, overlay)
             out[i] = captured
@@ -335,7 +330,9 @@ class Capturing:
         logits = self.model.transformer.forward(list(ids[shared:]), kv, self.ffn(overlay), record=record)[-1]
         return Captured(inputs, logits, kv, residuals)
 
-    def _capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
+    def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
+        """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
+        Users of the KV cache truncate it to the length they need first."""
         inputs: list[np.ndarray] = []
         residuals: list[np.ndarray] = []
 
@@ -368,7 +365,7 @@ class Capturing:
         kv = captured.kv
         kv.truncate(min(kv.length, len(ids)))
         if kv.length != len(ids):      # a balance trial left the last position out: run it whole
-            return self._capture(ids, overlay)
+            return self.capture(ids, overlay)
         inputs = [x if i <= layer else x[:first] for i, x in enumerate(captured.inputs)]
         residuals = [h if i <= layer else h[:first] for i, h in enumerate(captured.residuals)]
 
@@ -386,7 +383,7 @@ class Capturing:
         kv = captured.kv
         kv.truncate(min(kv.length, len(ids)))
         if kv.length != len(ids) or not more:
-            return self._capture(tuple(ids) + tuple(more), overlay)
+            return self.capture(tuple(ids) + tuple(more), overlay)
         inputs, residuals = list(captured.inputs), list(captured.residuals)
 
         def record(i, h, x):
