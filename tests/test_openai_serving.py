@@ -200,6 +200,19 @@ def test_the_prefill_schedule_cuts_at_whole_chunks_and_at_the_template_heads_end
         PrefillSchedule(0)
     # A head shorter than a quarter of a chunk (a bare turn opening) is not worth a pass of its own.
     assert PrefillSchedule.for_template(64, head) == headed and PrefillSchedule.for_template(64, head[:15]) == plain
+    # After every cue (a user's turn closed and the assistant's opened): a prompt is whole chunks to its end, and
+    # so is each earlier turn inside the next one's prompt; a prompt without the cue is cut as before.
+    cue = (2, 3)
+    cued = PrefillSchedule(64, head, cue)
+    turn = list(head) + [7] * 50 + list(cue)                       # 76 tokens, ending with the cue
+    follow = turn + [8] * 70 + list(cue)                           # the reply and a new question: 148
+    assert list(cued.chunks(0, len(turn), turn)) == [(0, 24), (24, 64), (64, 76)] and cued.floor(76, turn) == 76
+    assert list(cued.chunks(0, 148, follow)) == [(0, 24), (24, 64), (64, 76), (76, 128), (128, 148)]
+    assert [cued.floor(n, follow) for n in (75, 76, 127, 147, 148)] == [64, 76, 76, 128, 148]
+    assert list(cued.chunks(76, 148, follow)) == [(76, 128), (128, 148)]   # from the earlier turn's end: the same
+    assert list(cued.chunks(0, 150, chat)) == list(headed.chunks(0, 150, chat))
+    assert cued.floor(3, [2, 3, 2, 3]) == 2 and list(cued.chunks(0, 4, [2, 3, 2, 3])) == [(0, 2), (2, 4)]
+    assert PrefillSchedule.for_template(64, head, cue) == cued
 
 
 def test_a_new_conversation_reuses_the_chat_templates_head_bit_for_bit(smollm2, gemma3):
@@ -218,9 +231,14 @@ def test_a_new_conversation_reuses_the_chat_templates_head_bit_for_bit(smollm2, 
     session = engine.new_session()
     _assert_same_state(_prefill_state(session, second), cold)
     assert session.reused_tokens == common and engine.prefix_cache.stats().hits == 1
+    # Every prompt ends with the template's cue: the user's turn closed and the assistant's opened.
+    cue = smollm2.template_cue
+    assert len(cue) > 1 and tuple(first[-len(cue):]) == tuple(second[-len(cue):]) == cue
+    assert smollm2.tokenizer.decode(list(smollm2.template_cue)).strip().endswith("assistant")
     # A base model has no template: its prompts are cut at whole chunks only.
     base = LarqlEngine(gemma3)
-    assert gemma3.template_head == () and base.prefill_schedule == PrefillSchedule(base.prefill_chunk)
+    assert gemma3.template_head == gemma3.template_cue == ()
+    assert base.prefill_schedule == PrefillSchedule(base.prefill_chunk)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
@@ -267,20 +285,27 @@ def test_a_prefix_hit_serves_exactly_what_a_cold_cache_does(served):
 
 
 def test_a_resent_conversation_reuses_its_previous_prompt(served):
+    """A prompt ends with the template's cue, where the prefill cuts a chunk: each turn reuses the whole prompt
+    of the turn before (not only its whole multiples of a chunk), and serves what a cold prefill computes."""
     engine, handle = served
     client = _client(handle)
     messages = _ask("Where are the dinosaur skeletons?")
     previous_prompt = 0
     for turn in range(3):
-        reply, _ = _greedy(client, messages, n=12)
+        sent = messages
+        reply, entries = _greedy(client, sent, n=12)
         if turn:
-            # The previous turn's prompt in whole chunks (its reply was decoded: it is prefilled once, now).
-            assert reply.usage.prompt_tokens_details.cached_tokens == \
-                previous_prompt - previous_prompt % engine.prefill_chunk   # its own system prompt: no head cut
+            # The previous turn's prompt, all of it (its reply was decoded: it is prefilled once, now).
+            assert reply.usage.prompt_tokens_details.cached_tokens == previous_prompt
+            assert previous_prompt % engine.prefill_chunk        # more than its whole chunks
         previous_prompt = reply.usage.prompt_tokens
         messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
                                {"role": "user", "content": f"And what else is in hall {turn + 2}?"}]
     assert engine.prefix_cache.stats().entries == 1   # each turn's prompt replaced the one it extends
+    engine.clear_caches()                             # the prefix cache, L2 and every L1: all cold
+    cold, cold_entries = _greedy(client, sent, n=12)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert cold_entries == entries and cold.choices[0].message.content == reply.choices[0].message.content
 
 
 def test_a_patch_between_two_turns_invalidates_the_prefix(served):
@@ -508,8 +533,8 @@ def test_the_serve_load_mode_runs_against_the_server(served):
                             replies=1, long_tokens=128, beside_delay=0.0, sizes=(64,))
     assert report["model"] == "smollm2" and [r["turn"] for r in report["multi_turn"]] == [1, 2, 3]
     for before, after in zip(report["multi_turn"], report["multi_turn"][1:]):
-        # (a system prompt of its own: whole chunks, no template head)
-        assert after["cached_tokens"] == before["prompt_tokens"] - before["prompt_tokens"] % engine.prefill_chunk
+        # (a system prompt of its own, so no template head; the whole prompt before: it ends with the cue)
+        assert after["cached_tokens"] == before["prompt_tokens"]
     assert report["shared_prefix"][1]["cached_tokens"] > 0 == report["shared_prefix"][0]["cached_tokens"]
     assert [r["clients"] for r in report["aggregate"]] == [1, 2]
     assert all(not r["errors"] and r["tokens"] == 4 * r["clients"] for r in report["aggregate"])

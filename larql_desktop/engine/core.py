@@ -106,7 +106,7 @@ class LarqlEngine:
         # Prompts' KV shared by every session (API requests and chats); see engine/model/prefix_cache.py.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         # Where prompts are cut into passes (a server interleaves other requests' steps between them).
-        self.prefill_schedule = PrefillSchedule.for_template(prefill_chunk, model.template_head)
+        self.prefill_schedule = PrefillSchedule.for_template(prefill_chunk, model.template_head, model.template_cue)
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []

@@ -136,6 +136,16 @@ class LoadedModel:
         first, second = (self.encode_prompt([{"role": "user", "content": text}]) for text in ("Hello", "Why"))
         return tuple(first[:common_prefix(np.asarray(first), np.asarray(second))])
 
+    @functools.cached_property
+    def template_cue(self) -> tuple[int, ...]:
+        """The tokens every chat prompt ends with (SmolLM2: the user's turn closed and the assistant's opened),
+        found as two one-turn prompts' common suffix; none for a base model. The prefill cuts a chunk after each
+        (prefix_cache.PrefillSchedule), so a conversation's next turn reuses the whole of the prompt before it."""
+        if not self.is_chat:
+            return ()
+        first, second = (self.encode_prompt([{"role": "user", "content": text}])[::-1] for text in ("Hello", "Why"))
+        return tuple(first[:common_prefix(np.asarray(first), np.asarray(second))][::-1])
+
 
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
     """The messages a chat renders through its template: the system prompt first when one is set (None: the

@@ -72,7 +72,8 @@ class ChatSession:
         self.prefix_cache = prefix_cache
         self.kv_namespace = kv_namespace
         # Where prompts are cut into passes (the engine's, for every session sharing its prefix cache).
-        self.prefill = prefill or PrefillSchedule.for_template(PREFILL_CHUNK, model.template_head)
+        self.prefill = prefill or PrefillSchedule.for_template(PREFILL_CHUNK, model.template_head,
+                                                                model.template_cue)
         self.exact_length = 0           # leading KV positions bit-identical to a cold prefill of `history`
         self.reused_tokens = 0          # positions the latest prefill took from the prefix cache
         self._prefill_ran = 0           # positions the latest prefill ran

@@ -179,45 +179,56 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PrefillSchedule:
-    """Where a prefill cuts a prompt into passes: at the multiples of `size`, and, in a prompt that starts with
-    `head` (the chat template's fixed head: the tokens every conversation on the model's default system prompt
-    starts with, SmolLM2's 24), at the head's end, so the head is a whole chunk of its own, reused by every new
-    conversation from the prefix cache rather than prefilled again. Other prompts (a system prompt of the
-    user's, plain completions) are not cut there: for them the cut would be one more pass for nothing.
-    The cuts depend only on the prompt's own tokens, so the passes a prefill runs are the same whether it starts
-    at 0 or at a cut a prefix hit supplied."""
+    """Where a prefill cuts a prompt into passes: at the multiples of `size`; in a prompt that starts with `head`
+    (the chat template's fixed head: the tokens every conversation on the model's default system prompt starts
+    with, SmolLM2's 24), at the head's end, so the head is a whole chunk of its own, reused by every new
+    conversation from the prefix cache rather than prefilled again; and after every `cue` (the tokens a chat
+    prompt ends with: the user's turn closed and the assistant's opened), so a prompt is whole chunks up to its
+    end, and the next turn of its conversation, which re-sends it followed by the reply and a new question,
+    reuses all of it rather than all but the tail past its last multiple of `size`. A cue at the prompt's end
+    costs no pass; each earlier one (a conversation sent whole for the first time) costs one.
+    Other prompts (a system prompt of the user's, plain completions) are not cut at the head: for them the cut
+    would be one more pass for nothing. The cuts depend only on the prompt's own tokens, so the passes a prefill
+    runs are the same whether it starts at 0 or at a cut a prefix hit supplied."""
     size: int
     head: tuple[int, ...] = ()
+    cue: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.size < 1:
             raise ValueError(f"a prefill chunk must hold at least one position, not {self.size}")
 
     @classmethod
-    def for_template(cls, size: int, head: Sequence[int]) -> "PrefillSchedule":
-        """The schedule of a model whose chat template starts every prompt with `head`: cut there only when the
-        head is worth a pass of its own (a quarter of a chunk or more; a template's bare turn opening, 3 or 4
-        tokens, would cost every cold prompt a pass to save a few positions)."""
-        return cls(size, tuple(head) if len(head) >= size / 4 else ())
+    def for_template(cls, size: int, head: Sequence[int], cue: Sequence[int] = ()) -> "PrefillSchedule":
+        """The schedule of a model whose chat template starts every prompt with `head` and ends it with `cue`:
+        cut at the head only when it is worth a pass of its own (a quarter of a chunk or more; a template's bare
+        turn opening, 3 or 4 tokens, would cost every cold prompt a pass to save a few positions)."""
+        return cls(size, tuple(head) if len(head) >= size / 4 else (), tuple(cue))
 
-    def _head_cut(self, ids: Sequence[int]) -> int:
+    def _cuts(self, ids: Sequence[int]) -> list[int]:
+        """The prompt's own cuts (besides the multiples of `size`), ascending: the head's end, each cue's end."""
         n = len(self.head)
-        return n if n and len(ids) >= n and tuple(ids[:n]) == self.head else 0
+        cuts = [n] if n and len(ids) >= n and tuple(ids[:n]) == self.head else []
+        m = len(self.cue)
+        if m and len(ids) >= m:
+            tokens = np.asarray(ids)
+            for i in np.flatnonzero(tokens[:len(tokens) - m + 1] == self.cue[0]):
+                if tuple(tokens[i:i + m].tolist()) == self.cue and (not cuts or i + m > cuts[-1]):
+                    cuts.append(int(i) + m)
+        return cuts
 
     def floor(self, n: int, ids: Sequence[int]) -> int:
         """The last cut at or before position n of the prompt `ids` (0 when there is none)."""
         whole = n - n % self.size
-        head = self._head_cut(ids)
-        return max(whole, head) if head <= n else whole
+        return max([whole] + [cut for cut in self._cuts(ids) if cut <= n])
 
     def chunks(self, start: int, end: int, ids: Sequence[int]):
         """(from, to) position ranges covering start..end of the prompt `ids`, cut at its cuts."""
-        head = self._head_cut(ids)
+        cuts = self._cuts(ids)
         pos = start
         while pos < end:
             stop = (pos // self.size + 1) * self.size
-            if pos < head < stop:
-                stop = head
-            stop = min(stop, end)
+            stop = min([stop, end] + [cut for cut in cuts if pos < cut < stop])
             yield pos, stop
+            pos = stop
             pos = stop
