@@ -109,12 +109,13 @@ class PrefixCache:
         want = np.asarray(ids, dtype=np.int64)
         limit = want.size - 1
         best, best_key, best_len = None, None, 0
+        cuts = schedule.cuts(ids)
         with self._lock:
             self._lookups += 1
             for key, entry in self._entries.items():
                 if key[0] != namespace:
                     continue
-                n = schedule.floor(min(common_prefix(entry.ids, want), limit), ids)
+                n = schedule.floor(min(common_prefix(entry.ids, want), limit), ids, cuts)
                 if n > best_len:
                     best, best_key, best_len = entry, key, n
             if best is None or best_key is None:
@@ -205,7 +206,7 @@ class PrefillSchedule:
         turn opening, 3 or 4 tokens, would cost every cold prompt a pass to save a few positions)."""
         return cls(size, tuple(head) if len(head) >= size / 4 else (), tuple(cue))
 
-    def _cuts(self, ids: Sequence[int]) -> list[int]:
+    def cuts(self, ids: Sequence[int]) -> list[int]:
         """The prompt's own cuts (besides the multiples of `size`), ascending: the head's end, each cue's end."""
         n = len(self.head)
         cuts = [n] if n and len(ids) >= n and tuple(ids[:n]) == self.head else []
@@ -217,14 +218,15 @@ class PrefillSchedule:
                     cuts.append(int(i) + m)
         return cuts
 
-    def floor(self, n: int, ids: Sequence[int]) -> int:
-        """The last cut at or before position n of the prompt `ids` (0 when there is none)."""
+    def floor(self, n: int, ids: Sequence[int], cuts: Sequence[int] | None = None) -> int:
+        """The last cut at or before position n of the prompt `ids` (0 when there is none); `cuts`: its own
+        cuts, when the caller has them already (`cuts(ids)`: one scan of the prompt for many floors)."""
         whole = n - n % self.size
-        return max([whole] + [cut for cut in self._cuts(ids) if cut <= n])
+        return max([whole] + [cut for cut in (self.cuts(ids) if cuts is None else cuts) if cut <= n])
 
     def chunks(self, start: int, end: int, ids: Sequence[int]):
         """(from, to) position ranges covering start..end of the prompt `ids`, cut at its cuts."""
-        cuts = self._cuts(ids)
+        cuts = self.cuts(ids)
         pos = start
         while pos < end:
             stop = (pos // self.size + 1) * self.size
