@@ -233,4 +233,3 @@ class PrefillSchedule:
             stop = min([stop, end] + [cut for cut in cuts if pos < cut < stop])
             yield pos, stop
             pos = stop
-            pos = stop
