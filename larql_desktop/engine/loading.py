@@ -126,6 +126,14 @@ class LoadedModel:
         return min(self.config.context_length, 8192)
 
     @functools.cached_property
+    def _one_turn_prompts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two chat prompts of one user turn each, differing only in the turn's text: what the template writes
+        around any turn is what they share (`template_head`, `template_cue`)."""
+        first, second = (np.asarray(self.encode_prompt([{"role": "user", "content": text}]))
+                         for text in ("Hello", "Why"))
+        return first, second
+
+    @functools.cached_property
     def template_head(self) -> tuple[int, ...]:
         """The tokens every chat prompt on the template's default system prompt starts with (SmolLM2: 24, its
         system turn and the opening of the user's), found as two one-turn prompts' common prefix; none for a base
@@ -133,8 +141,8 @@ class LoadedModel:
         them from the prefix cache."""
         if not self.is_chat:
             return ()
-        first, second = (self.encode_prompt([{"role": "user", "content": text}]) for text in ("Hello", "Why"))
-        return tuple(first[:common_prefix(np.asarray(first), np.asarray(second))])
+        first, second = self._one_turn_prompts
+        return tuple(first[:common_prefix(first, second)].tolist())
 
     @functools.cached_property
     def template_cue(self) -> tuple[int, ...]:
@@ -143,9 +151,8 @@ class LoadedModel:
         (prefix_cache.PrefillSchedule), so a conversation's next turn reuses the whole of the prompt before it."""
         if not self.is_chat:
             return ()
-        first, second = (self.encode_prompt([{"role": "user", "content": text}])[::-1] for text in ("Hello", "Why"))
-        return tuple(first[:common_prefix(np.asarray(first), np.asarray(second))][::-1])
-
+        first, second = self._one_turn_prompts
+        return tuple(first[first.size - common_prefix(first[::-1], second[::-1]):].tolist())
 
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
     """The messages a chat renders through its template: the system prompt first when one is set (None: the
