@@ -234,7 +234,7 @@ def test_a_new_conversation_reuses_the_chat_templates_head_bit_for_bit(smollm2, 
     # Every prompt ends with the template's cue: the user's turn closed and the assistant's opened.
     cue = smollm2.template_cue
     assert len(cue) > 1 and tuple(first[-len(cue):]) == tuple(second[-len(cue):]) == cue
-    assert smollm2.tokenizer.decode(list(smollm2.template_cue)).strip().endswith("assistant")
+    assert smollm2.tokenizer.decode(list(cue)).strip().endswith("assistant")
     # A base model has no template: its prompts are cut at whole chunks only.
     base = LarqlEngine(gemma3)
     assert gemma3.template_head == gemma3.template_cue == ()
