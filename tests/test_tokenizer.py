@@ -136,9 +136,9 @@ def test_stream_decoder(tokenizers, name):
 
 def test_gemma_byte_fallback(gemma):
     # A character missing from the vocabulary falls back to <0xNN> byte tokens.
-    ch = next(c for c in map(chr, range(0x10000, 0x10400)) if c not in gemma._tok2id)
+    ch = next(c for c in map(chr, range(0x10000, 0x10400)) if gemma.token_id(c) is None)
     ids = gemma.encode(ch, add_bos=False)
-    assert ids == [gemma._tok2id[f"<0x{b:02X}>"] for b in ch.encode("utf-8")]
+    assert ids == [gemma.token_id(f"<0x{b:02X}>") for b in ch.encode("utf-8")]
     assert gemma.decode(ids) == ch
 
 
@@ -237,7 +237,7 @@ def _reference_smollm_encode(tk: Tokenizer, ranks: dict, text: str) -> list[int]
                     break
                 i = best[1]
                 syms[i:i + 2] = [syms[i] + syms[i + 1]]
-            ids.extend(tk._tok2id[s] for s in syms)
+            ids.extend(tk.token_id(s) for s in syms)
     return ids
 
 
@@ -332,3 +332,43 @@ def test_a_text_too_long_for_the_context_is_refused_from_its_length(tokenizers, 
         tk.encode("a" * (limit * tk.max_piece_chars + 1), max_tokens=limit)
     with pytest.raises(TextTooLong, match=f"context holds {limit}"):
         tk.encode_template("a" * (limit * tk.max_piece_chars + 1), max_tokens=limit)
+
+
+# --------------------------------------------------------------------------- memory
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_the_vocabulary_is_kept_packed_not_as_a_python_string_per_token(name):
+    import tracemalloc
+
+    gguf = GgufFile(gguf_path(name))
+    listed = gguf.metadata["tokenizer.ggml.tokens"]
+    packed = gguf.metadata.packed_strings("tokenizer.ggml.tokens")
+    assert len(packed) == len(listed) and list(packed) == listed      # the same texts, decoded the same way
+    assert packed[-1] == listed[-1] and packed[5:8] == listed[5:8]
+    del listed
+    tracemalloc.start()
+    try:
+        tk = Tokenizer.from_gguf(gguf)
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # A string and a dict entry per token took 41 MB of Python objects for Gemma 3's 262k (9 MB for SmolLM2's
+    # 49k); packed, a token takes its text's bytes, its end, its type, its score and
+    # 16 bytes of index.
+    text_bytes = sum(len(text.encode("utf-8")) for text in packed)
+    assert kept < text_bytes + 40 * tk.vocab_size + 1_000_000, (kept, text_bytes)
+    # Ids found through the index are the vocabulary's own (the later one where a text appears twice).
+    last_of = {}
+    for i, text in enumerate(packed):
+        last_of[text] = i
+    assert all(tk.token_id(text) == i for text, i in last_of.items())
+    assert tk.token_id("\U0010fffd no such token \U0010fffd") is None
+
+
+def test_measuring_the_longest_piece_does_not_keep_every_piece(gemma):
+    gemma._piece_cached.cache_clear()
+    longest = gemma.max_piece_chars
+    assert gemma._piece_cached.cache_info().currsize == 0
+    assert longest == max(len(gemma.piece_bytes(i, special=True).decode("utf-8", "replace"))
+                          for i in range(gemma.vocab_size))
+    from larql_desktop.engine.formats.tokenizer import PIECE_CACHE_SIZE
+    assert gemma._piece_cached.cache_info().currsize <= PIECE_CACHE_SIZE

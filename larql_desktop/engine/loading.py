@@ -21,6 +21,7 @@ from larql_desktop.engine.graphs.decoder import OnnxDecoder
 from larql_desktop.engine.graphs.ffn import OnnxFfn
 from larql_desktop.engine.graphs.softmax import OnnxSoftmax
 from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.heap import return_freed_memory
 from larql_desktop.engine.model.transformer import TransformerModel
 from larql_desktop.engine.paths import AppPaths
 from larql_desktop.engine.formats.tokenizer import Tokenizer
@@ -219,6 +220,9 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     # After the sessions: onnxruntime's load peaks (weights being prepacked beside the pages it read), and Gemma
     # 3's tokenizer (262k pieces: ~25 MB of Python objects) no longer adds to that peak.
     tokenizer = Tokenizer.from_gguf(gguf)
+    # Building the tokenizer (the BPE's vocabulary and merges as Python objects for a moment) and prepacking the
+    # weights leave ~10 MB of free heap the allocator would keep for the process's life.
+    return_freed_memory()
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.2f s", path.name, seconds)
     return LoadedModel(spec.key if spec else path.stem, spec, path, gguf, config, checksum, tokenizer,

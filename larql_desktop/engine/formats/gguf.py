@@ -15,7 +15,8 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from array import array
+from typing import BinaryIO, Iterable, Sequence
 
 import numpy as np
 
@@ -116,6 +117,35 @@ class _DeferredArray:
         return cursor.array(self.etype, self.count)
 
 
+class PackedStrings(Sequence[str]):
+    """Strings, read-only, as one buffer of their UTF-8 bytes and an array of ends: as Python objects, Gemma 3's
+    262k token texts take ~23 MB; packed, ~4 MB. A string is decoded when it is read (~0.2 us), as the file's
+    strings are: invalid UTF-8 becomes U+FFFD."""
+
+    def __init__(self, blob: bytes, ends: array):
+        self._blob, self._ends = blob, ends
+
+    @classmethod
+    def of(cls, texts: Iterable[str]) -> "PackedStrings":
+        blob, ends = bytearray(), array("q")
+        for text in texts:
+            blob += text.encode("utf-8")
+            ends.append(len(blob))
+        return cls(bytes(blob), ends)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for {len(self)} strings")
+        return self._blob[self._ends[i - 1] if i else 0:self._ends[i]].decode("utf-8", errors="replace")
+
+
 class GgufMetadata(dict):
     """The metadata keys and values; a large array is read from the file each time it is asked for, not kept.
     A vocabulary's arrays are read once, by the tokenizer, which keeps what it needs in its own form: kept here
@@ -129,6 +159,18 @@ class GgufMetadata(dict):
 
     def get(self, key: str, default=None):
         return self[key] if key in self else default
+
+    def packed_strings(self, key: str) -> PackedStrings | None:
+        """A string array as `PackedStrings`, read from the file without making a Python string of each; None
+        when the key is missing or is not an array of strings."""
+        value = super().get(key)
+        if isinstance(value, _DeferredArray) and value.etype == _STRING:
+            cursor = _Cursor(value.buf, value.path)
+            cursor.pos = value.pos
+            return cursor.packed_string_array(value.count)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return PackedStrings.of(value)
+        return None
 
     def values(self):           # type: ignore[override]
         return [self[key] for key in self]
@@ -209,6 +251,23 @@ class _Cursor:
         if pos > size:
             raise GgufError(f"{self.path}: truncated GGUF string array")
         self.pos = pos
+
+    def packed_string_array(self, count: int) -> PackedStrings:
+        buf, pos, size = self.buf, self.pos, self.size
+        blob, ends = bytearray(), array("q")
+        unpack = struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise GgufError(f"{self.path}: truncated GGUF string array")
+            (n,) = unpack("<Q", buf, pos)
+            pos += 8
+            if pos + n > size:
+                raise GgufError(f"{self.path}: truncated GGUF string array")
+            blob += buf[pos:pos + n]
+            ends.append(len(blob))
+            pos += n
+        self.pos = pos
+        return PackedStrings(bytes(blob), ends)
 
     def string_array(self, count: int) -> list[str]:
         # Strings are length-prefixed; walk the lengths, then decode each slice once.

@@ -17,13 +17,17 @@ that a marker typed in a message is several ordinary tokens and cannot fake a sy
 """
 from __future__ import annotations
 
+import bisect
 import codecs
+import functools
 import heapq
 import re
 from array import array
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from larql_desktop.engine.formats.gguf import PackedStrings
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -48,6 +52,10 @@ _PRE_SMOLLM = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaon
 _PRE_GPT2 = {"gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion", "granite-docling"}
 _PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
 _PRE_QWEN2 = {"qwen2", "deepseek-r1-qwen", "megrez", "hunyuan-dense"}
+
+
+# Decoded pieces kept per tokenizer (~100 bytes each).
+PIECE_CACHE_SIZE = 16384
 
 
 class TokenizerError(ValueError):
@@ -82,15 +90,42 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+class VocabularyIndex:
+    """Text -> token id over a vocabulary's `PackedStrings`, for lookups in a hot loop without a dict of every text (which keeps
+    every text alive as a Python string: ~36 MB for Gemma 3's 262k). Texts are found by their `hash` in a sorted
+    array and confirmed against the texts themselves, so a hash collision can never give a wrong id. Where a
+    text appears twice the later id wins, as in llama.cpp's token_to_id map."""
+
+    def __init__(self, texts: PackedStrings):
+        hashes = np.fromiter((hash(t) for t in texts), dtype=np.int64, count=len(texts))
+        order = np.argsort(hashes, kind="stable")          # equal hashes: ids ascending
+        self._hashes, self._ids = array("q"), array("q")
+        self._hashes.frombytes(hashes[order].tobytes())
+        self._ids.frombytes(order.astype(np.int64).tobytes())
+        self._texts = texts
+
+    def get(self, text: str) -> int | None:
+        h = hash(text)
+        hashes = self._hashes
+        i = bisect.bisect_right(hashes, h) - 1
+        # Equal hashes sit together, ids ascending: scan back from the last so the later duplicate wins.
+        while i >= 0 and hashes[i] == h:
+            tid = self._ids[i]
+            if self._texts[tid] == text:
+                return tid
+            i -= 1
+        return None
+
+
 class Tokenizer:
     """Encode text to token ids and back, exactly as llama.cpp does for the same GGUF."""
 
-    def __init__(self, tokens: Sequence[str], token_types: Sequence[int] | None, *, model: str,
+    def __init__(self, tokens: Sequence[str] | PackedStrings, token_types: Sequence[int] | None, *, model: str,
                  pre: str | None = None, merges: Sequence[str] | None = None, scores: Sequence[float] | None = None,
                  bos_id: int | None = None, eos_id: int | None = None, add_bos: bool | None = None,
                  add_eos: bool | None = None, add_space_prefix: bool | None = None,
                  eot_id: int | None = None, eom_id: int | None = None):
-        self.tokens: list[str] = list(tokens)
+        self.tokens = tokens if isinstance(tokens, PackedStrings) else PackedStrings.of(tokens)
         self.vocab_size = n = len(self.tokens)
         if n == 0:
             raise TokenizerError("the GGUF has an empty tokenizer vocabulary")
@@ -102,13 +137,12 @@ class Tokenizer:
                 raise TokenizerError(f"token_type has {len(types)} entries for {n} tokens")
         self.model = model
         self.pre = pre
-        # Later duplicates win, as in llama.cpp's token_to_id map.
-        self._tok2id: dict[str, int] = {t: i for i, t in enumerate(self.tokens)}
+        self._index = VocabularyIndex(self.tokens)
 
         # End-of-generation tokens, and llama.cpp's override of their (and FIM tokens') type to control.
         stop = set()
         for text in _EOG_TEXTS + _FIM_TEXTS:
-            tid = self._tok2id.get(text)
+            tid = self.token_id(text)
             if tid is not None:
                 types[tid] = TOKEN_CONTROL
                 if text in _EOG_TEXTS:
@@ -131,7 +165,7 @@ class Tokenizer:
             self._scores = array("d", given.astype(np.float64).tobytes())
             if len(self._scores) != n:
                 raise TokenizerError(f"scores has {len(self._scores)} entries for {n} tokens")
-            self._byte_ids = [self._tok2id.get(f"<0x{b:02X}>") for b in range(256)]
+            self._byte_ids = [self.token_id(f"<0x{b:02X}>") for b in range(256)]
         elif model == "gpt2":
             self._kind = "bpe"
             self.add_bos = False if add_bos is None else bool(add_bos)
@@ -139,7 +173,7 @@ class Tokenizer:
             self.add_space_prefix = False
             if not merges:
                 raise TokenizerError("byte-level BPE GGUF has no tokenizer.ggml.merges")
-            self._hf = self._build_hf_bpe(merges, pre or "default")
+            self._hf = _build_hf_bpe(self.tokens, merges, pre or "default")
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', 'llama')")
 
@@ -153,16 +187,18 @@ class Tokenizer:
         if len(self._special_parsed) > _MAX_ESCAPED:
             raise TokenizerError(f"{len(self._special_parsed)} control tokens are more than message text can be "
                                  "escaped from")
-        self._piece_cache: dict[tuple[int, bool], bytes] = {}
-        self._max_piece_bytes: int | None = None
-        self._max_piece_chars: int | None = None
+        # The pieces decoding reads most (a reply's tokens), not the whole vocabulary once it has all been seen.
+        self._piece_cached = functools.lru_cache(maxsize=PIECE_CACHE_SIZE)(self._piece)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_gguf(cls, gguf_file) -> "Tokenizer":
         """Build from a `GgufFile` (or anything with a GGUF-style `metadata` dict)."""
         md = gguf_file.metadata if hasattr(gguf_file, "metadata") else gguf_file
-        tokens = md.get("tokenizer.ggml.tokens")
+        # Packed as read from the file where it can be: 262k Python strings made and dropped leave the heap
+        # fragmented.
+        tokens = (md.packed_strings("tokenizer.ggml.tokens") if hasattr(md, "packed_strings")
+                  else md.get("tokenizer.ggml.tokens"))
         model = md.get("tokenizer.ggml.model")
         if not tokens or model is None:
             raise TokenizerError("the GGUF has no tokenizer (tokenizer.ggml.model / tokens missing)")
@@ -183,57 +219,33 @@ class Tokenizer:
                    add_space_prefix=_bool("tokenizer.ggml.add_space_prefix"),
                    eot_id=_int("tokenizer.ggml.eot_token_id"), eom_id=_int("tokenizer.ggml.eom_token_id"))
 
-    def _build_hf_bpe(self, merges: Sequence[str], pre: str):
-        from tokenizers import Regex
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
-
-        pairs = []
-        for m in merges:
-            pos = m.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
-            if pos < 0:
-                raise TokenizerError(f"malformed BPE merge {m!r}")
-            pairs.append((m[:pos], m[pos + 1:]))
-        ignore_merges = pre in _PRE_LLAMA3
-        try:
-            bpe = models.BPE(vocab=dict(self._tok2id), merges=pairs, fuse_unk=False, byte_fallback=False,
-                             ignore_merges=ignore_merges)
-        except Exception as exc:  # a merge whose result is not in the vocabulary, etc.
-            raise TokenizerError(f"cannot build the BPE tokenizer from the GGUF: {exc}") from exc
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        if pre in _PRE_SMOLLM:
-            steps = [pre_tokenizers.Digits(individual_digits=True),
-                     pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
-        elif pre in _PRE_GPT2:
-            steps = [pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
-        elif pre in _PRE_LLAMA3:
-            steps = [pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"), byte_level]
-        elif pre in _PRE_QWEN2:
-            steps = [pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated"), byte_level]
-        else:
-            raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
-                                 f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
-        tk = HFTokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        return tk
-
     # ------------------------------------------------------------------ encoding
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is `text` (the later one where a text appears twice), or None."""
+        return self._index.get(text)
+
     @property
     def max_piece_bytes(self) -> int:
         """The most bytes one token stands for (special ones written out): a text of n characters takes at least
         n / max_piece_bytes tokens."""
-        if self._max_piece_bytes is None:
-            self._max_piece_bytes = max(1, max(len(self.piece_bytes(i, special=True)) for i in range(self.vocab_size)))
-        return self._max_piece_bytes
+        return self._longest_piece[0]
 
     @property
     def max_piece_chars(self) -> int:
         """The most characters one token's text can start (its bytes decoded, an incomplete sequence counting
         once per byte): a text of n characters takes at least n / max_piece_chars tokens."""
-        if self._max_piece_chars is None:
-            self._max_piece_chars = max(1, max(len(self.piece_bytes(i, special=True).decode("utf-8", "replace"))
-                                               for i in range(self.vocab_size)))
-        return self._max_piece_chars
+        return self._longest_piece[1]
+
+    @functools.cached_property
+    def _longest_piece(self) -> tuple[int, int]:
+        """(most bytes, most characters) of one token's piece, special ones written out."""
+        # One sweep of the whole vocabulary, past `piece_bytes`' cache: it would keep every piece.
+        most_bytes = most_chars = 1
+        for i in range(self.vocab_size):
+            piece = self._piece(i, True)
+            most_bytes = max(most_bytes, len(piece))
+            most_chars = max(most_chars, len(piece.decode("utf-8", "replace")))
+        return most_bytes, most_chars
 
     def _check_fits(self, text: str, max_tokens: int | None) -> None:
         # A text longer than max_tokens of the longest pieces cannot fit: refused without the cost of tokenising
@@ -336,7 +348,7 @@ class Tokenizer:
         n = len(text)
         if n == 0:
             return
-        tok2id = self._tok2id
+        lookup = self._index.get
         scores = self._scores
         sym = list(text)              # current text of each symbol (one code point to start)
         lens = [1] * n                # code points per symbol; 0 once merged into its left neighbour
@@ -345,7 +357,7 @@ class Tokenizer:
         nxt[-1] = -1
         heap = []
         for i in range(1, n):
-            tid = tok2id.get(sym[i - 1] + sym[i])
+            tid = lookup(sym[i - 1] + sym[i])
             if tid is not None:
                 # Highest score first; ties go to the leftmost pair (llm_bigram_spm::comparator).
                 heap.append((-scores[tid], i - 1, i, 2))
@@ -366,18 +378,18 @@ class Tokenizer:
                 prev[r2] = left
             p = prev[left]
             if p >= 0:
-                tid = tok2id.get(sym[p] + merged)
+                tid = lookup(sym[p] + merged)
                 if tid is not None:
                     push(heap, (-scores[tid], p, left, lens[p] + ll + rl))
             if r2 >= 0:
-                tid = tok2id.get(merged + sym[r2])
+                tid = lookup(merged + sym[r2])
                 if tid is not None:
                     push(heap, (-scores[tid], left, r2, ll + rl + lens[r2]))
         i = 0
         byte_ids = self._byte_ids
         while i != -1:
             s = sym[i]
-            tid = tok2id.get(s)
+            tid = lookup(s)
             if tid is not None:
                 out.append(tid)
             else:  # byte fallback
@@ -399,10 +411,9 @@ class Tokenizer:
     def piece_bytes(self, token_id: int, special: bool = False) -> bytes:
         """The raw bytes `token_id` stands for (llama.cpp's token_to_piece). Control and unknown tokens
         give b"" unless `special`; a byte token gives its single (possibly partial-UTF-8) byte."""
-        key = (token_id, special)
-        cached = self._piece_cache.get(key)
-        if cached is not None:
-            return cached
+        return self._piece_cached(token_id, special)
+
+    def _piece(self, token_id: int, special: bool) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             raise IndexError(f"token id {token_id} out of range for a vocabulary of {self.vocab_size}")
         ttype = int(self._types[token_id])
@@ -425,7 +436,6 @@ class Tokenizer:
                                  for c in text)
             else:
                 piece = b""
-        self._piece_cache[key] = piece
         return piece
 
     def decode(self, ids: Iterable[int], special: bool = False) -> str:
@@ -434,6 +444,43 @@ class Tokenizer:
 
     def stream_decoder(self, special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, special)
+
+
+def _build_hf_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str):
+    """A HF `tokenizers` byte-level BPE with llama.cpp's merges and pre-tokenizer regexes for `pre`."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    pairs = []
+    for m in merges:
+        pos = m.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
+        if pos < 0:
+            raise TokenizerError(f"malformed BPE merge {m!r}")
+        pairs.append((m[:pos], m[pos + 1:]))
+    ignore_merges = pre in _PRE_LLAMA3
+    try:
+        # Later duplicates win, as in llama.cpp's token_to_id map.
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False,
+                         byte_fallback=False, ignore_merges=ignore_merges)
+    except Exception as exc:  # a merge whose result is not in the vocabulary, etc.
+        raise TokenizerError(f"cannot build the BPE tokenizer from the GGUF: {exc}") from exc
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in _PRE_SMOLLM:
+        steps = [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
+    elif pre in _PRE_GPT2:
+        steps = [pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
+    elif pre in _PRE_LLAMA3:
+        steps = [pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"), byte_level]
+    elif pre in _PRE_QWEN2:
+        steps = [pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated"), byte_level]
+    else:
+        raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
+                             f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
+    tk = HFTokenizer(bpe)
+    tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    return tk
 
 
 class StreamDecoder:
