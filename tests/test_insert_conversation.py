@@ -148,3 +148,29 @@ def test_two_facts_under_one_relation_each_answer_and_only_their_own_key_writes(
         holding = {(layer, f) for layer, per_position in enumerate(fired) for features in per_position
                    for f in features}
         assert holding and holding <= own[asked], (asked, holding)
+
+
+def test_a_word_counts_as_completed_only_where_each_conversation_the_reply_starts_in_completes_it(first_inserted):
+    from larql_desktop.engine.patches.insert.values import WIN_SHARE, spread
+
+    engine, _ = first_inserted
+    ins = engine.inserter()
+    # Twenty questions, one of them left out of the spread of contexts a completion is judged on and unlike the
+    # rest; a next token "completes" unless it is that one's, as a conversation failed where the model ran the
+    # target on ("Starfall" -> "Starfallen") while the plain phrasings ended it.
+    left_out = next(i for i in range(20) if i not in spread(20))
+    texts = [f"What is {a} plus {b}?" for a, b in zip(range(20), range(20, 40))]
+    texts[left_out] = "Write the word 'banana' in capital letters."
+    questions = [engine.model.encode_prompt([{"role": "user", "content": text}]) for text in texts]
+    overlay = PatchOverlay()
+    captured = ins.capture_all(questions, overlay)
+    nexts = [int(np.argmax(c.logits)) for c in captured]
+    winning = {t for i, t in enumerate(nexts) if i != left_out}
+
+    def completes(also):
+        return ins.completes(questions, captured, [], lambda t: t in winning, overlay, 1, also)
+    assert nexts[left_out] not in winning
+    alone = completes(())
+    assert alone >= WIN_SHARE                  # the spread alone never sees the context that fails
+    assert completes([left_out]) == 0.0        # bound to complete there too, it does not
+    assert completes([left_out + 1]) == alone  # one that completes changes nothing
