@@ -23,7 +23,7 @@ import functools
 import heapq
 import re
 from array import array
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -353,7 +353,7 @@ class Tokenizer:
             frags = new
         return frags
 
-    def _spm_lookup(self):
+    def _spm_lookup(self) -> Callable[[str], int | None]:
         """Text -> id for one encode: a text asks for the same pieces again and again ("▁t" + "he"), and each is
         looked up in the vocabulary's index once."""
         index_get = self._index.get
@@ -366,7 +366,7 @@ class Tokenizer:
             return tid
         return lookup
 
-    def _spm_tokenize(self, text: str, out: list[int], lookup) -> None:
+    def _spm_tokenize(self, text: str, out: list[int], lookup: Callable[[str], int | None]) -> None:
         """llama.cpp's llm_tokenizer_spm_session::tokenize on whitespace-escaped text."""
         n = len(text)
         if n == 0:
