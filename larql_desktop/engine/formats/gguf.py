@@ -13,10 +13,10 @@ import math
 import mmap
 import os
 import struct
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from array import array
-from typing import BinaryIO, Iterable, Sequence
+from typing import BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -136,6 +136,12 @@ class PackedStrings(Sequence[str]):
     def __len__(self) -> int:
         return len(self._ends)
 
+    def __iter__(self) -> Iterator[str]:
+        blob, start = self._blob, 0
+        for end in self._ends:
+            yield blob[start:end].decode("utf-8", errors="replace")
+            start = end
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
@@ -253,6 +259,7 @@ class _Cursor:
         self.pos = pos
 
     def packed_string_array(self, count: int) -> PackedStrings:
+        # Strings are length-prefixed: walk the lengths, copying the bytes; each is decoded when it is read.
         buf, pos, size = self.buf, self.pos, self.size
         blob, ends = bytearray(), array("q")
         unpack = struct.unpack_from
@@ -270,21 +277,7 @@ class _Cursor:
         return PackedStrings(bytes(blob), ends)
 
     def string_array(self, count: int) -> list[str]:
-        # Strings are length-prefixed; walk the lengths, then decode each slice once.
-        buf, pos, out = self.buf, self.pos, []
-        size = self.size
-        unpack = struct.unpack_from
-        for _ in range(count):
-            if pos + 8 > size:
-                raise GgufError(f"{self.path}: truncated GGUF string array")
-            (n,) = unpack("<Q", buf, pos)
-            pos += 8
-            if pos + n > size:
-                raise GgufError(f"{self.path}: truncated GGUF string array")
-            out.append(str(buf[pos:pos + n], "utf-8", "replace"))
-            pos += n
-        self.pos = pos
-        return out
+        return list(self.packed_string_array(count))
 
 
 class GgufFile:
