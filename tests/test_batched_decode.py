@@ -279,3 +279,51 @@ def test_gemma_walk_completions_warm_and_cold_past_the_window_decode_together_as
     finally:
         batched.stop()
         alone.stop()
+
+
+def _resident_kb_at(address: int) -> tuple[int, int]:
+    """(resident kB, size kB) of this process's mapping that holds `address`."""
+    size = None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            size = (high - low) // 1024 if low <= address < high else None
+        elif size is not None and fields[0] == "Rss:":
+            return int(fields[1]), size
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_the_batch_pool_grows_keeping_each_rows_positions_and_writing_no_others(smollm2):
+    import numpy as np
+
+    from larql_desktop.engine.completions import decode_batch
+    from larql_desktop.engine.model.transformer import KvCache
+
+    class Reply:           # what a row holds of a session
+        def __init__(self, length: int, seed: int):
+            self.kv = KvCache(smollm2.config, capacity=length + 1)
+            rng = np.random.default_rng(seed)
+            for store in (self.kv.keys, self.kv.values):
+                for array in store:
+                    array[:, :length] = rng.standard_normal(array[:, :length].shape, dtype=np.float32)
+            self.kv.length = length
+            self.history, self.exact_length = [], length
+
+    batch = decode_batch(smollm2, 8)
+    # Five replies join one by one: the pool grows from one row to eight, and past 256 positions for the last.
+    lengths = [12, 40, 7, 90, 300]
+    replies = [Reply(n, seed) for seed, n in enumerate(lengths)]
+    expected = [([k[:, :n].copy() for k in r.kv.keys], [v[:, :n].copy() for v in r.kv.values])
+                for r, n in zip(replies, lengths)]
+    rows = [batch.join(r) for r in replies]
+    for row, n, (keys, values) in zip(rows, lengths, expected):
+        assert row.kv.length == n
+        assert all(np.array_equal(row.kv.keys[i][:, :n], keys[i]) for i in range(smollm2.config.n_layers))
+        assert all(np.array_equal(row.kv.values[i][:, :n], values[i]) for i in range(smollm2.config.n_layers))
+    resident, size = _resident_kb_at(rows[0].kv.keys[0].ctypes.data)
+    # The replies' 449 positions of 8 x 512 rows' room: a little over a tenth of the pool, not the half that
+    # copying the four first rows' whole room wrote.
+    assert size > 100_000 and resident < size // 5, (resident, size)
+    for row in rows:
+        batch.leave(row)
