@@ -105,10 +105,11 @@ class VocabularyIndex:
         hashes = hashes[order]
         bounds = (np.arange(-(1 << 15), (1 << 15) + 1, dtype=np.int64) << self._BUCKET_SHIFT)
         bounds[-1] = np.iinfo(np.int64).max
-        self._hashes, self._ids, self._starts = array("q"), array("q"), array("q")
+        # Ids and bucket starts in 32 bits (a vocabulary is far below 2**31 tokens): 1.3 MB less for Gemma 3's.
+        self._hashes, self._ids, self._starts = array("q"), array("i"), array("i")
         self._hashes.frombytes(hashes.tobytes())
-        self._ids.frombytes(order.astype(np.int64).tobytes())
-        self._starts.frombytes(np.searchsorted(hashes, bounds[:-1]).astype(np.int64).tobytes())
+        self._ids.frombytes(order.astype(np.int32).tobytes())
+        self._starts.frombytes(np.searchsorted(hashes, bounds[:-1]).astype(np.int32).tobytes())
         self._starts.append(len(hashes))
         self._texts = texts
 
