@@ -155,6 +155,7 @@ class LoadedModel:
         first, second = self._one_turn_prompts
         return tuple(first[first.size - common_prefix(first[::-1], second[::-1]):].tolist())
 
+
 def conversation(model: LoadedModel, messages: Sequence[dict], system_prompt: str | None = None) -> list[dict]:
     """The messages a chat renders through its template: the system prompt first when one is set (None: the
     template's own default, as a new chat tab has it) and the model is a chat model, then the turns."""
@@ -217,8 +218,9 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
         blocks.load_sessions(gated=False)
         ffn.load_sessions()
     transformer.use_graphs(blocks, decoder, OnnxSoftmax(config.vocab_size, threads))
-    # After the sessions: onnxruntime's load peaks (weights being prepacked beside the pages it read), and Gemma
-    # 3's tokenizer (262k pieces: ~25 MB of Python objects) no longer adds to that peak.
+    # After the sessions: onnxruntime's load peaks (weights being prepacked beside the pages it read), and building
+    # the tokenizer (Gemma 3's 262k token texts, SmolLM2's BPE merges, for a moment as Python objects) no longer
+    # adds to that peak.
     tokenizer = Tokenizer.from_gguf(gguf)
     # Building the tokenizer (the BPE's vocabulary and merges as Python objects for a moment) and prepacking the
     # weights leave ~10 MB of free heap the allocator would keep for the process's life.

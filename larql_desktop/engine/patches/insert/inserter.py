@@ -289,14 +289,14 @@ class Inserter(Contexts, Values):
         plain phrasings end it."""
         ffn = self.ffn(overlay)
         bound = {*range(1, always), *also}
-        won = {}
+        won = []
         for i in sorted({*spread(len(captured), always), *also}):
             ids, kv = contexts[i], captured[i].kv
             kv.truncate(len(ids) - 1)
-            won[i] = wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1])))
-            if i in bound and not won[i]:
+            won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
+            if i in bound and not won[-1]:
                 return 0.0
-        return float(np.mean(list(won.values()))) if won else 0.0
+        return float(np.mean(won)) if won else 0.0
 
     def answers_with(self, ids: Sequence[int], overlay: PatchOverlay, targets: Sequence[int]) -> bool:
         """The greedy continuation of `ids` is the target's tokens and then a token that ends the word (and does
