@@ -17,6 +17,7 @@ from larql_desktop.engine.cache.l3 import SqliteL3
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from polling import wait_for
+from resident import resident_kb_at
 
 QUESTIONS = ["How many legs does a spider have?", "Name three colours of the rainbow.",
              "What is the boiling point of water?", "Write a haiku about the sea.",
@@ -281,19 +282,6 @@ def test_gemma_walk_completions_warm_and_cold_past_the_window_decode_together_as
         alone.stop()
 
 
-def _resident_kb_at(address: int) -> tuple[int, int]:
-    """(resident kB, size kB) of this process's mapping that holds `address`."""
-    size = None
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            low, high = (int(x, 16) for x in fields[0].split("-"))
-            size = (high - low) // 1024 if low <= address < high else None
-        elif size is not None and fields[0] == "Rss:":
-            return int(fields[1]), size
-    raise LookupError(f"no mapping holds {address:#x}")
-
-
 def test_the_batch_pool_grows_keeping_each_rows_positions_and_writing_no_others(smollm2):
     import numpy as np
 
@@ -321,7 +309,7 @@ def test_the_batch_pool_grows_keeping_each_rows_positions_and_writing_no_others(
         assert row.kv.length == n
         assert all(np.array_equal(row.kv.keys[i][:, :n], keys[i]) for i in range(smollm2.config.n_layers))
         assert all(np.array_equal(row.kv.values[i][:, :n], values[i]) for i in range(smollm2.config.n_layers))
-    resident, size = _resident_kb_at(rows[0].kv.keys[0].ctypes.data)
+    resident, size = resident_kb_at(rows[0].kv.keys[0].ctypes.data)
     # The replies' 449 positions of 8 x 512 rows' room: a little over a tenth of the pool, not the half that
     # copying the four first rows' whole room wrote.
     assert size > 100_000 and resident < size // 5, (resident, size)
