@@ -2,8 +2,9 @@
 
 Two vocabulary types are supported, as llama.cpp names them:
 
-* ``gpt2`` (byte-level BPE, e.g. SmolLM2): a HF ``tokenizers`` BPE model built from the GGUF's
-  tokens and merges, with the pre-tokenizer regexes llama.cpp uses for the GGUF's ``pre`` type.
+* ``gpt2`` (byte-level BPE, e.g. SmolLM2): a port of llama.cpp's ``llm_tokenizer_bpe`` (lowest-rank-first
+  merging) over the GGUF's tokens and merges, after HF ``tokenizers``' pre-tokenizer with the regexes llama.cpp
+  uses for the GGUF's ``pre`` type.
 * ``llama`` (SentencePiece-style BPE with scores and ``<0xNN>`` byte fallback, e.g. Gemma 3):
   a port of llama.cpp's ``llm_tokenizer_spm`` (best-score-first symbol merging).
 
@@ -183,7 +184,7 @@ class Tokenizer:
             self.add_space_prefix = False
             if not merges:
                 raise TokenizerError("byte-level BPE GGUF has no tokenizer.ggml.merges")
-            self._hf = _build_hf_bpe(self.tokens, merges, pre or "default")
+            self._bpe = ByteLevelBpe(self.tokens, self._index, merges, pre or "default")
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'gpt2', 'llama')")
 
@@ -322,11 +323,11 @@ class Tokenizer:
                     self._spm_tokenize(frag.replace(" ", "\u2581"), out, lookup)
                     is_prev_special = False
         else:
-            texts = [f for f in fragments if not isinstance(f, int)]
-            encoded = iter(self._hf.encode_batch(texts, add_special_tokens=False) if len(texts) > 1
-                           else [self._hf.encode(t, add_special_tokens=False) for t in texts])
             for frag in fragments:
-                out.extend([frag] if isinstance(frag, int) else next(encoded).ids)
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    out.extend(self._bpe.encode(frag))
         if use_defaults and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
         return out
@@ -469,25 +470,110 @@ class Tokenizer:
         return StreamDecoder(self, special)
 
 
-def _build_hf_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str):
-    """A HF `tokenizers` byte-level BPE with llama.cpp's merges and pre-tokenizer regexes for `pre`."""
-    from tokenizers import Regex
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
+class ByteLevelBpe:
+    """llama.cpp's byte-level BPE (llm_tokenizer_bpe_session) over a vocabulary's packed texts.
 
-    pairs = []
-    for m in merges:
-        pos = m.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
-        if pos < 0:
-            raise TokenizerError(f"malformed BPE merge {m!r}")
-        pairs.append((m[:pos], m[pos + 1:]))
-    ignore_merges = pre in _PRE_LLAMA3
-    try:
-        # Later duplicates win, as in llama.cpp's token_to_id map.
-        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs, fuse_unk=False,
-                         byte_fallback=False, ignore_merges=ignore_merges)
-    except Exception as exc:  # a merge whose result is not in the vocabulary, etc.
-        raise TokenizerError(f"cannot build the BPE tokenizer from the GGUF: {exc}") from exc
+    The text is split into words by HF ``tokenizers``' pre-tokenizer built with llama.cpp's regexes for the GGUF's
+    ``pre`` type (only the pre-tokenizer: it holds no vocabulary), each word's bytes mapped to GPT-2's printable
+    characters. Each word then starts as one symbol per character and merges, lowest merge rank first and leftmost
+    among equal ranks, until no adjacent pair has a merge. The merges are kept packed: the pair's two token ids as
+    one 64-bit key in a sorted array, beside its rank and the merged token's id. A HF BPE model with its vocabulary
+    and merge maps took ~16 MB for SmolLM2's 49k tokens and merges; these arrays take under 1 MB."""
+
+    WORD_CACHE_SIZE = 8192      # words looked up again (" the", " of") are merged once
+
+    def __init__(self, tokens: PackedStrings, index: VocabularyIndex, merges: Sequence[str], pre: str):
+        self._pre_tokenizer = _byte_level_pre_tokenizer(pre)
+        self._ignore_merges = pre in _PRE_LLAMA3
+        self._index = index
+        self._n = n = len(tokens)
+        keys, ranks, merged = [], [], []
+        for rank, merge in enumerate(merges):
+            pos = merge.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
+            if pos < 0:
+                raise TokenizerError(f"malformed BPE merge {merge!r}")
+            left, right = merge[:pos], merge[pos + 1:]
+            ids = index.get(left), index.get(right), index.get(left + right)
+            if None in ids:
+                raise TokenizerError(f"the BPE merge {merge!r} names a token the vocabulary does not have")
+            keys.append(ids[0] * n + ids[1])
+            ranks.append(rank)
+            merged.append(ids[2])
+        key_array = np.asarray(keys, dtype=np.int64)
+        order = np.argsort(key_array, kind="stable")
+        key_array = key_array[order]
+        # A pair listed twice keeps its first rank, as llama.cpp's bpe_ranks.emplace does.
+        first = np.ones(len(key_array), dtype=bool)
+        first[1:] = key_array[1:] != key_array[:-1]
+        order = order[first]
+        self._keys = array("q", key_array[first].tobytes())
+        self._ranks = array("i", np.asarray(ranks, dtype=np.int32)[order].tobytes())
+        self._merged = array("i", np.asarray(merged, dtype=np.int32)[order].tobytes())
+        self._word_ids = functools.lru_cache(maxsize=self.WORD_CACHE_SIZE)(self._merge_word)
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for word, _ in self._pre_tokenizer.pre_tokenize_str(text):
+            out.extend(self._word_ids(word))
+        return out
+
+    def _merge(self, left_id: int, right_id: int) -> tuple[int, int] | None:
+        """(rank, merged id) of the pair, or None where the merges have none."""
+        key = left_id * self._n + right_id
+        keys = self._keys
+        i = bisect.bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            return self._ranks[i], self._merged[i]
+        return None
+
+    def _merge_word(self, word: str) -> tuple[int, ...]:
+        lookup = self._index.get
+        if self._ignore_merges:
+            whole = lookup(word)
+            if whole is not None:
+                return (whole,)
+        ids: list[int | None] = [lookup(ch) for ch in word]
+        n = len(ids)
+        nxt = list(range(1, n + 1))
+        prev = list(range(-1, n - 1))
+        alive = [True] * n
+        queue: list[tuple[int, int, int, int, int]] = []     # (rank, left, right, left id, right id)
+
+        def consider(left: int, right: int) -> None:
+            left_id, right_id = ids[left], ids[right]
+            if left_id is not None and right_id is not None:
+                found = self._merge(left_id, right_id)
+                if found is not None:
+                    heapq.heappush(queue, (found[0], left, right, left_id, right_id))
+
+        for i in range(1, n):
+            consider(i - 1, i)
+        while queue:
+            _, left, right, left_id, right_id = heapq.heappop(queue)
+            # A pair whose symbols have merged since it was queued is stale (llama.cpp compares the texts).
+            if not (alive[left] and alive[right] and nxt[left] == right and ids[left] == left_id
+                    and ids[right] == right_id):
+                continue
+            ids[left] = self._merge(left_id, right_id)[1]  # type: ignore[index]
+            alive[right] = False
+            after = nxt[right]
+            nxt[left] = after
+            if after < n:
+                prev[after] = left
+            if prev[left] >= 0:
+                consider(prev[left], left)
+            if after < n:
+                consider(left, after)
+        # A character outside the vocabulary (no byte-level vocabulary lacks one) is dropped, as llama.cpp does
+        # with a symbol it cannot find byte by byte.
+        return tuple(tid for tid, keep in zip(ids, alive) if keep and tid is not None)
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    """HF `tokenizers`' pre-tokenizer with llama.cpp's regexes for the GGUF's `pre` type, bytes mapped to GPT-2's
+    printable characters."""
+    from tokenizers import Regex, pre_tokenizers
+
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in _PRE_SMOLLM:
         steps = [pre_tokenizers.Digits(individual_digits=True),
@@ -501,9 +587,7 @@ def _build_hf_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str):
     else:
         raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
                              f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
-    tk = HFTokenizer(bpe)
-    tk.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    return tk
+    return pre_tokenizers.Sequence(steps)
 
 
 class StreamDecoder:
