@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 import unicodedata
@@ -250,6 +251,32 @@ def test_smollm_matches_independent_bpe(smol, reference):
     texts = TRICKY + [e["text"] for e in reference["models"]["smollm2-135m-instruct"]["tokenize"]]
     for text in texts:
         assert smol.encode(text) == _reference_smollm_encode(smol, ranks, text), text
+
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt2", "llama3", "qwen2"])
+def test_words_are_split_as_hf_pre_tokenizers_split_them(pre):
+    """Our regex word splitting (Python's `re` knows no \\p{L}) against HF `tokenizers`' with the same regexes,
+    on every code point beside a letter, a digit and a space, and on random mixed text."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from larql_desktop.engine.formats import tokenizer as tk_module
+
+    pattern = {"smollm": tk_module._GPT2_RE + r"|\s+", "gpt2": tk_module._GPT2_RE + r"|\s+",
+               "llama3": tk_module._LLAMA3_RE, "qwen2": tk_module._QWEN2_RE}[pre]
+    steps = [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    if pre == "smollm":
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    reference = pre_tokenizers.Sequence(steps)
+    ours = tk_module.ByteLevelPreTokenizer(pre)
+    # Planes 4-16 hold no letter, number or space.
+    points = [chr(cp) for cp in range(0x40000) if not 0xD800 <= cp < 0xE000]
+    texts = ["".join(f"a{c}1{c} {c}" for c in points[i:i + 8192]) for i in range(0, len(points), 8192)]
+    rng = random.Random(pre)
+    alphabet = points[:0x3000] + points[0x10000:0x10400] + list(" \t\r\n'sdlmtvre0123")
+    texts += ["".join(rng.choice(alphabet) for _ in range(4000)) for _ in range(20)] + TRICKY
+    for text in texts:
+        assert ours.words(text) == [word for word, _ in reference.pre_tokenize_str(text)], text[:40]
 
 
 # --------------------------------------------------------------------------- chat template

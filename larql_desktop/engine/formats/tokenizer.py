@@ -3,7 +3,7 @@
 Two vocabulary types are supported, as llama.cpp names them:
 
 * ``gpt2`` (byte-level BPE, e.g. SmolLM2): a port of llama.cpp's ``llm_tokenizer_bpe`` (lowest-rank-first
-  merging) over the GGUF's tokens and merges, after HF ``tokenizers``' pre-tokenizer with the regexes llama.cpp
+  merging) over the GGUF's tokens and merges, after splitting the text into words with the regexes llama.cpp
   uses for the GGUF's ``pre`` type.
 * ``llama`` (SentencePiece-style BPE with scores and ``<0xNN>`` byte fallback, e.g. Gemma 3):
   a port of llama.cpp's ``llm_tokenizer_spm`` (best-score-first symbol merging).
@@ -23,6 +23,7 @@ import codecs
 import functools
 import heapq
 import re
+import unicodedata
 from array import array
 from typing import Callable, Iterable, Sequence
 
@@ -132,7 +133,7 @@ class Tokenizer:
     """Encode text to token ids and back, exactly as llama.cpp does for the same GGUF."""
 
     def __init__(self, tokens: Sequence[str] | PackedStrings, token_types: Sequence[int] | None, *, model: str,
-                 pre: str | None = None, merges: Sequence[str] | None = None, scores: Sequence[float] | None = None,
+                 pre: str | None = None, merges: Iterable[str] | None = None, scores: Sequence[float] | None = None,
                  bos_id: int | None = None, eos_id: int | None = None, add_bos: bool | None = None,
                  add_eos: bool | None = None, add_space_prefix: bool | None = None,
                  eot_id: int | None = None, eom_id: int | None = None):
@@ -222,8 +223,10 @@ class Tokenizer:
             v = md.get(key)
             return None if v is None else bool(v)
 
+        merges = (md.packed_strings("tokenizer.ggml.merges") if hasattr(md, "packed_strings")
+                  else md.get("tokenizer.ggml.merges"))
         return cls(tokens, md.get("tokenizer.ggml.token_type"), model=str(model),
-                   pre=md.get("tokenizer.ggml.pre"), merges=md.get("tokenizer.ggml.merges"),
+                   pre=md.get("tokenizer.ggml.pre"), merges=merges,
                    scores=md.get("tokenizer.ggml.scores"),
                    bos_id=_int("tokenizer.ggml.bos_token_id"), eos_id=_int("tokenizer.ggml.eos_token_id"),
                    add_bos=_bool("tokenizer.ggml.add_bos_token"), add_eos=_bool("tokenizer.ggml.add_eos_token"),
@@ -473,8 +476,7 @@ class Tokenizer:
 class ByteLevelBpe:
     """llama.cpp's byte-level BPE (llm_tokenizer_bpe_session) over a vocabulary's packed texts.
 
-    The text is split into words by HF ``tokenizers``' pre-tokenizer built with llama.cpp's regexes for the GGUF's
-    ``pre`` type (only the pre-tokenizer: it holds no vocabulary), each word's bytes mapped to GPT-2's printable
+    The text is split into words by `ByteLevelPreTokenizer`, each word's bytes mapped to GPT-2's printable
     characters. Each word then starts as one symbol per character and merges, lowest merge rank first and leftmost
     among equal ranks, until no adjacent pair has a merge. The merges are kept packed: the pair's two token ids as
     one 64-bit key in a sorted array, beside its rank and the merged token's id. A HF BPE model with its vocabulary
@@ -482,38 +484,37 @@ class ByteLevelBpe:
 
     WORD_CACHE_SIZE = 8192      # words looked up again (" the", " of") are merged once
 
-    def __init__(self, tokens: PackedStrings, index: VocabularyIndex, merges: Sequence[str], pre: str):
-        self._pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    def __init__(self, tokens: PackedStrings, index: VocabularyIndex, merges: Iterable[str], pre: str):
+        self._pre_tokenizer = ByteLevelPreTokenizer(pre)
         self._ignore_merges = pre in _PRE_LLAMA3
         self._index = index
         self._n = n = len(tokens)
-        keys, ranks, merged = [], [], []
-        for rank, merge in enumerate(merges):
+        keys, merged = array("q"), array("i")
+        for merge in merges:
             pos = merge.find(" ", 1)  # llama.cpp splits each merge at the first space after position 0
             if pos < 0:
                 raise TokenizerError(f"malformed BPE merge {merge!r}")
             left, right = merge[:pos], merge[pos + 1:]
-            ids = index.get(left), index.get(right), index.get(left + right)
-            if None in ids:
+            left_id, right_id, merged_id = index.get(left), index.get(right), index.get(left + right)
+            if left_id is None or right_id is None or merged_id is None:
                 raise TokenizerError(f"the BPE merge {merge!r} names a token the vocabulary does not have")
-            keys.append(ids[0] * n + ids[1])
-            ranks.append(rank)
-            merged.append(ids[2])
-        key_array = np.asarray(keys, dtype=np.int64)
-        order = np.argsort(key_array, kind="stable")
+            keys.append(left_id * n + right_id)
+            merged.append(merged_id)
+        key_array = np.frombuffer(keys, dtype=np.int64)
+        order = np.argsort(key_array, kind="stable")        # a merge's rank is its place in the list
         key_array = key_array[order]
         # A pair listed twice keeps its first rank, as llama.cpp's bpe_ranks.emplace does.
         first = np.ones(len(key_array), dtype=bool)
         first[1:] = key_array[1:] != key_array[:-1]
         order = order[first]
         self._keys = array("q", key_array[first].tobytes())
-        self._ranks = array("i", np.asarray(ranks, dtype=np.int32)[order].tobytes())
-        self._merged = array("i", np.asarray(merged, dtype=np.int32)[order].tobytes())
+        self._ranks = array("i", order.astype(np.int32).tobytes())
+        self._merged = array("i", np.frombuffer(merged, dtype=np.int32)[order].tobytes())
         self._word_ids = functools.lru_cache(maxsize=self.WORD_CACHE_SIZE)(self._merge_word)
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
-        for word, _ in self._pre_tokenizer.pre_tokenize_str(text):
+        for word in self._pre_tokenizer.words(text):
             out.extend(self._word_ids(word))
         return out
 
@@ -538,12 +539,14 @@ class ByteLevelBpe:
         prev = list(range(-1, n - 1))
         alive = [True] * n
         queue: list[tuple[int, int, int, int, int]] = []     # (rank, left, right, left id, right id)
+        merged_ids: dict[tuple[int, int], int] = {}
 
         def consider(left: int, right: int) -> None:
             left_id, right_id = ids[left], ids[right]
             if left_id is not None and right_id is not None:
                 found = self._merge(left_id, right_id)
                 if found is not None:
+                    merged_ids[left_id, right_id] = found[1]
                     heapq.heappush(queue, (found[0], left, right, left_id, right_id))
 
         for i in range(1, n):
@@ -554,7 +557,7 @@ class ByteLevelBpe:
             if not (alive[left] and alive[right] and nxt[left] == right and ids[left] == left_id
                     and ids[right] == right_id):
                 continue
-            ids[left] = self._merge(left_id, right_id)[1]  # type: ignore[index]
+            ids[left] = merged_ids[(left_id, right_id)]
             alive[right] = False
             after = nxt[right]
             nxt[left] = after
@@ -569,25 +572,112 @@ class ByteLevelBpe:
         return tuple(tid for tid, keep in zip(ids, alive) if keep and tid is not None)
 
 
-def _byte_level_pre_tokenizer(pre: str):
-    """HF `tokenizers`' pre-tokenizer with llama.cpp's regexes for the GGUF's `pre` type, bytes mapped to GPT-2's
-    printable characters."""
-    from tokenizers import Regex, pre_tokenizers
+# Unicode's White_Space property, which the pre-tokenizer regexes' \\s means (Python's \\s also takes U+001C-U+001F).
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Past the last code point any letter or number is assigned to (planes 4-16 have none).
+_LETTERS_AND_NUMBERS_END = 0x40000
+# Letters and numbers assigned since Unicode 14.0 (Python 3.11's `unicodedata`), up to 16.0: the ones HF
+# `tokenizers`' regexes know and a Python before 3.13 does not (found code point by code point against it).
+_NEWER_LETTERS = (
+    (0x01C89, 0x01C8A), (0x0A7CB, 0x0A7CD), (0x0A7DA, 0x0A7DC), (0x105C0, 0x105F3), (0x10D4A, 0x10D65),
+    (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x1123F, 0x11240), (0x11380, 0x11389), (0x1138B, 0x1138B),
+    (0x1138E, 0x1138E), (0x11390, 0x113B5), (0x113B7, 0x113B7), (0x113D1, 0x113D1), (0x113D3, 0x113D3),
+    (0x11BC0, 0x11BE0), (0x11F02, 0x11F02), (0x11F04, 0x11F10), (0x11F12, 0x11F33), (0x1342F, 0x1342F),
+    (0x13441, 0x13446), (0x13460, 0x143FA), (0x16100, 0x1611D), (0x16D40, 0x16D6C), (0x18CFF, 0x18CFF),
+    (0x1B132, 0x1B132), (0x1B155, 0x1B155), (0x1DF25, 0x1DF2A), (0x1E030, 0x1E06D), (0x1E4D0, 0x1E4EB),
+    (0x1E5D0, 0x1E5ED), (0x1E5F0, 0x1E5F0), (0x2B739, 0x2B739), (0x2EBF0, 0x2EE5D), (0x31350, 0x323AF))
+_NEWER_NUMBERS = (
+    (0x10D40, 0x10D49), (0x116D0, 0x116E3), (0x11BF0, 0x11BF9), (0x11F50, 0x11F59), (0x16130, 0x16139),
+    (0x16D70, 0x16D79), (0x1CCF0, 0x1CCF9), (0x1D2C0, 0x1D2D3), (0x1E4F0, 0x1E4F9), (0x1E5F1, 0x1E5FA))
+# Numbers of Unicode 17.0, which HF's digit splitter (Rust's char::is_numeric) knows and its regexes do not.
+_NEWER_SPLIT_DIGITS = r"\U00011de0-\U00011de9\U00016ff4-\U00016ff6"
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _PRE_SMOLLM:
-        steps = [pre_tokenizers.Digits(individual_digits=True),
-                 pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
-    elif pre in _PRE_GPT2:
-        steps = [pre_tokenizers.Split(Regex(_GPT2_RE + r"|\s+"), behavior="isolated"), byte_level]
-    elif pre in _PRE_LLAMA3:
-        steps = [pre_tokenizers.Split(Regex(_LLAMA3_RE), behavior="isolated"), byte_level]
-    elif pre in _PRE_QWEN2:
-        steps = [pre_tokenizers.Split(Regex(_QWEN2_RE), behavior="isolated"), byte_level]
-    else:
-        raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
-                             f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
-    return pre_tokenizers.Sequence(steps)
+
+@functools.cache
+def _letter_and_number_classes() -> tuple[str, str]:
+    """The contents of regex character classes for Unicode's letters (\\p{L}) and numbers (\\p{N}), which Python's
+    `re` does not know, as code point ranges from `unicodedata` (50 ms, once a process)."""
+    ranges: dict[str, list[tuple[int, int] | list[int]]] = {"L": list(_NEWER_LETTERS), "N": list(_NEWER_NUMBERS)}
+    category = unicodedata.category
+    for cp in range(_LETTERS_AND_NUMBERS_END):
+        group = ranges.get(category(chr(cp))[0])
+        if group is not None:
+            if isinstance(group[-1], list) and group[-1][1] == cp - 1:
+                group[-1][1] = cp
+            else:
+                group.append([cp, cp])
+
+    def text(spans: list[tuple[int, int] | list[int]]) -> str:
+        return "".join(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in spans)
+    return text(ranges["L"]), text(ranges["N"])
+
+
+def _with_unicode_classes(pattern: str, letters: str, numbers: str) -> str:
+    """`pattern` with \\p{L}, \\p{N}, \\s and \\S written as the code point ranges they stand for, inside a
+    character class and out."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith((r"\p{L}", r"\p{N}"), i):
+            body = letters if pattern[i + 3] == "L" else numbers
+            out.append(body if in_class else f"[{body}]")
+            i += 5
+        elif pattern.startswith(r"\s", i):
+            out.append(_WHITE_SPACE if in_class else f"[{_WHITE_SPACE}]")
+            i += 2
+        elif pattern.startswith(r"\S", i) and not in_class:
+            out.append(f"[^{_WHITE_SPACE}]")
+            i += 2
+        elif pattern[i] == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+        else:
+            if pattern[i] == "[" and not in_class:
+                in_class = True
+            elif pattern[i] == "]" and in_class:
+                in_class = False
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
+
+
+class ByteLevelPreTokenizer:
+    """Splits a text into the words byte-level BPE merges within, as llama.cpp's regexes for the GGUF's `pre` type
+    do (and HF `tokenizers`' Split pre-tokenizer with them), each word's UTF-8 bytes then written as GPT-2's
+    printable characters. Digits first stand alone where the `pre` type says so (SmolLM2's)."""
+
+    _BYTE_CHARS = {b: ord(c) for b, c in _bytes_to_unicode().items()}   # latin-1 code point -> printable one
+
+    def __init__(self, pre: str):
+        letters, numbers = _letter_and_number_classes()
+        if pre in _PRE_SMOLLM or pre in _PRE_GPT2:
+            pattern = _GPT2_RE + r"|\s+"
+        elif pre in _PRE_LLAMA3:
+            pattern = _LLAMA3_RE
+        elif pre in _PRE_QWEN2:
+            pattern = _QWEN2_RE
+        else:
+            raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: "
+                                 f"{', '.join(sorted(_PRE_SMOLLM | _PRE_GPT2 | _PRE_LLAMA3 | _PRE_QWEN2))})")
+        pattern = _with_unicode_classes(pattern, letters, numbers)
+        self._words = re.compile(pattern)
+        self._digits = re.compile(f"([{numbers}{_NEWER_SPLIT_DIGITS}])") if pre in _PRE_SMOLLM else None
+
+    def words(self, text: str) -> list[str]:
+        pieces = [p for p in self._digits.split(text) if p] if self._digits is not None else [text]
+        out: list[str] = []
+        for piece in pieces:
+            at = 0
+            for match in self._words.finditer(piece):
+                if match.start() > at:             # text no alternative matches stands as a word of its own
+                    out.append(piece[at:match.start()])
+                out.append(match.group())
+                at = match.end()
+            if at < len(piece):
+                out.append(piece[at:])
+        chars = self._BYTE_CHARS
+        return [word.encode("utf-8").decode("latin-1").translate(chars) for word in out]
 
 
 class StreamDecoder:
