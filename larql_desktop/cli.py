@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from larql_desktop import __version__
+import larql_desktop
 from larql_desktop.engine import services
 from larql_desktop.engine.catalog import DEFAULT_MODEL, PACKAGED_MODELS
 
@@ -395,9 +395,21 @@ def serve_api(engine, host: str, port: int):
     return start_server(engine, host, port)
 
 
+class _VersionAction(argparse.Action):
+    """argparse's "version" action, reading the version only when asked (see larql_desktop.__getattr__)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="show program's version number and exit"):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {larql_desktop.__version__}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="larql-desktop", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     parser.add_argument("--threads", type=int, default=2, help="threads for onnxruntime (default 2)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")

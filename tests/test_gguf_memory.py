@@ -45,3 +45,21 @@ def test_embedding_rows_are_read_without_mapping_the_models_pages(app_paths):
     assert resident_kb(gguf.path) == resident
     assert np.array_equal(read, dequantize_rows(dataclasses.replace(table, source=None), rows))  # through the map
     assert resident_kb(gguf.path) > resident + 1024     # what the map costs: the check above can fail
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts resident pages through /proc")
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_the_headers_pages_are_handed_back_once_the_tokenizer_is_built(app_paths, model):
+    from larql_desktop.engine.formats.tokenizer import Tokenizer
+
+    packaged, _ = resolve_model(model, app_paths)
+    gguf = GgufFile(packaged)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    header_kb = gguf.data_offset // 1024
+    read_kb = resident_kb(gguf.path)
+    assert read_kb > header_kb // 2        # building it read the vocabulary through the map
+    gguf.release_header_pages()
+    # What stays is at most the large page-cache folio the header's last page shares with the tensors' data.
+    assert resident_kb(gguf.path) < min(2048, read_kb // 4), (read_kb, header_kb)
+    # Read again afterwards, the metadata is the same.
+    assert Tokenizer.from_gguf(gguf).encode("The capital of France is") == tokenizer.encode("The capital of France is")

@@ -222,6 +222,7 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     # the tokenizer (Gemma 3's 262k token texts, SmolLM2's BPE merges, for a moment as Python objects) no longer
     # adds to that peak.
     tokenizer = Tokenizer.from_gguf(gguf)
+    gguf.release_header_pages()
     # Building the tokenizer (the BPE's vocabulary and merges as Python objects for a moment) and prepacking the
     # weights leave ~10 MB of free heap the allocator would keep for the process's life.
     return_freed_memory()

@@ -343,6 +343,14 @@ class GgufFile:
             shape = tuple(int(d) for d in reversed(dims))
             self.tensors[name] = GgufTensor(name, shape, qtype, whole[start:start + nbytes], start, self._reader)
 
+    def release_header_pages(self) -> None:
+        """Hand back the pages of the header (metadata and tensor index) this process has read: once the
+        tokenizer has its packed copy of the vocabulary nothing reads them again (SmolLM2: 1.7 MB resident for
+        nothing). The map is read-only, so a later read of a metadata value only reads them back."""
+        header_pages = self.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and header_pages and not self._mmap.closed:
+            self._mmap.madvise(mmap.MADV_DONTNEED, 0, header_pages)
+
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))

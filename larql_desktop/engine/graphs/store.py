@@ -84,6 +84,9 @@ def _start_environment() -> None:
 
 
 MADV_DONTNEED = 4
+MADV_PAGEOUT = 21
+# How often the pages onnxruntime has read of a weights file are handed back while it loads them.
+PAGE_RELEASE_INTERVAL_S = 0.01
 
 
 def release_read_pages(path: Path) -> int:
@@ -119,6 +122,49 @@ def release_read_pages(path: Path) -> int:
         if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0:
             released += end - start
     return released
+
+
+class ReadPagesReleased:
+    """While onnxruntime creates a session on an optimised copy, hand back every few milliseconds the pages it
+    has read of the copy's weights file. It maps each initializer and reads it to prepack it into a buffer of
+    its own, but unmaps the file only once the whole session is made: the pages read pile up meanwhile (SmolLM2's
+    decoder: 21 MB above what the process holds once loaded, Gemma 3's: 33 MB; the load's peak).
+
+    MADV_PAGEOUT, not MADV_DONTNEED: it never loses data, so it is safe whatever the address holds by the time it
+    is called (onnxruntime may have unmapped the initializer and reused the range for memory of its own, which
+    DONTNEED would zero); a page read again is read back. The file's pages stay in the page cache."""
+
+    def __init__(self, path: Path, interval: float = PAGE_RELEASE_INTERVAL_S):
+        self._target = str(Path(path).resolve())
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "ReadPagesReleased":
+        if sys.platform.startswith("linux"):
+            self._thread = threading.Thread(target=self._run, name="weights-pages-released", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+        except OSError:
+            return
+        while not self._stop.wait(self._interval):
+            try:
+                with open("/proc/self/maps") as maps:
+                    ranges = [line.split(None, 1)[0] for line in maps if line.rstrip("\n").endswith(self._target)]
+            except OSError:
+                return
+            for bounds in ranges:
+                start, end = (int(bound, 16) for bound in bounds.split("-"))
+                madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
 
 
 def shared_pool_workers() -> tuple[int, ...]:
@@ -348,7 +394,8 @@ class GraphStore:
             opts = make_opts()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             try:
-                session = ort.InferenceSession(str(self.directory / copy), opts, providers=PROVIDERS)
+                with ReadPagesReleased(self.directory / data):
+                    session = ort.InferenceSession(str(self.directory / copy), opts, providers=PROVIDERS)
             except Exception:
                 log.info("the optimised copy %s does not load; making it again", copy)
             else:
