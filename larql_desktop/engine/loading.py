@@ -180,7 +180,7 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
     graphs: what the walk FFN runs), "decoder" (only the whole-model graph: a plain dense run), "none".
     Each set holds its own copy of the weights in onnxruntime's packed form, so loading only what the current
     FFN mode runs keeps memory down (peak RSS in `larql-desktop bench`, dense on the decoder alone: SmolLM2
-    248 MB, Gemma 3 270M 437 MB; a walk, on the per-layer and walk decoder graphs, about twice as much)."""
+    221 MB, Gemma 3 270M 417 MB; a walk, on the per-layer and walk decoder graphs, about twice as much)."""
     if preload not in PRELOAD_CHOICES:
         raise ValueError(f"preload must be one of {', '.join(PRELOAD_CHOICES)}, not {preload!r}")
     started = time.perf_counter()
