@@ -441,7 +441,8 @@ def targets(doc: dict) -> dict:
         ratio = DENSE_VS_LLAMA_CPP.get(doc.get("model"), DEFAULT_DENSE_VS_LLAMA_CPP)
         out[f"dense_decode_ge_{ratio}x_llama_cpp"] = dense["decode_tok_s"] >= ratio * llama["decode_tok_s"]
         if dense.get("peak_rss_mb") and llama.get("peak_rss_mb"):
-            out["dense_peak_rss_le_2x_llama_cpp"] = dense["peak_rss_mb"] <= 2 * llama["peak_rss_mb"]
+            # Issue 32's bound (it was 2x before the tokenizer, the load's page release and the memory pattern).
+            out["dense_peak_rss_le_1.3x_llama_cpp"] = dense["peak_rss_mb"] <= 1.3 * llama["peak_rss_mb"]
     if dense and warm:
         out["warm_decode_faster_than_dense"] = warm["decode_tok_s"] > dense["decode_tok_s"]
     if layered and warm:   # not an issue target: the cache against the same per-layer structure
