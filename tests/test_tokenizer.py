@@ -407,3 +407,15 @@ def test_measuring_the_longest_piece_does_not_keep_every_piece(gemma):
     # Decoding every piece keeps the most recent PIECE_CACHE_SIZE, not the vocabulary's 262k.
     from larql_desktop.engine.formats.tokenizer import PIECE_CACHE_SIZE
     assert gemma._piece_cached.cache_info().currsize == PIECE_CACHE_SIZE < gemma.vocab_size
+
+
+def test_long_words_are_merged_without_being_cached(smol):
+    """The BPE's word cache holds short words only: a long one (a run of letters as long as the context allows is
+    a single word) is merged each time, with the same ids."""
+    word = "".join(random.Random(3).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(4000))
+    cache = smol._bpe._word_ids
+    before = cache.cache_info().currsize
+    first = smol.encode(f"Decode {word} please")
+    assert smol.encode(f"Decode {word} please") == first
+    assert cache.cache_info().currsize - before <= 2      # "Decode" and " please", not the 4,001-character word
+    assert smol.decode(first) == f"Decode {word} please"

@@ -483,6 +483,9 @@ class ByteLevelBpe:
     and merge maps took ~16 MB for SmolLM2's 49k tokens and merges; these arrays take under 1 MB."""
 
     WORD_CACHE_SIZE = 8192      # words looked up again (" the", " of") are merged once
+    # Only words this short are cached: a client's base64 blob or long run of letters is one "word" of up to the
+    # context's length, and 8,192 of those would hold gigabytes.
+    CACHED_WORD_CHARS = 64
 
     def __init__(self, tokens: PackedStrings, index: VocabularyIndex, merges: Iterable[str], pre: str):
         self._pre_tokenizer = ByteLevelPreTokenizer(pre)
@@ -518,8 +521,9 @@ class ByteLevelBpe:
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
+        cached, limit = self._word_ids, self.CACHED_WORD_CHARS
         for word in self._pre_tokenizer.words(text):
-            out.extend(self._word_ids(word))
+            out.extend(cached(word) if len(word) <= limit else self._merge_word(word))
         return out
 
     def _merge(self, left_id: int, right_id: int) -> tuple[int, int] | None:
