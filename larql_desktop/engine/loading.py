@@ -218,9 +218,8 @@ def load_model(name_or_path: str, paths: AppPaths, threads: int = 2, progress: P
         blocks.load_sessions(gated=False)
         ffn.load_sessions()
     transformer.use_graphs(blocks, decoder, OnnxSoftmax(config.vocab_size, threads))
-    # After the sessions: onnxruntime's load peaks (weights being prepacked beside the pages it read), and building
-    # the tokenizer (Gemma 3's 262k token texts, SmolLM2's BPE merges, for a moment as Python objects) no longer
-    # adds to that peak.
+    # After the sessions: onnxruntime's load peaks (weights being prepacked), and building the tokenizer (Gemma 3's
+    # 262k token texts, SmolLM2's BPE merges, for a moment as Python objects) no longer adds to that peak.
     tokenizer = Tokenizer.from_gguf(gguf)
     gguf.release_header_pages()
     # Building the tokenizer (the BPE's vocabulary and merges as Python objects for a moment) and prepacking the

@@ -546,26 +546,25 @@ class ByteLevelBpe:
         nxt = list(range(1, n + 1))
         prev = list(range(-1, n - 1))
         alive = [True] * n
-        queue: list[tuple[int, int, int, int, int]] = []     # (rank, left, right, left id, right id)
-        merged_ids: dict[tuple[int, int], int] = {}
+        # (rank, left, right, left id, right id, merged id): the heap orders by rank, then leftmost.
+        queue: list[tuple[int, int, int, int, int, int]] = []
 
         def consider(left: int, right: int) -> None:
             left_id, right_id = ids[left], ids[right]
             if left_id is not None and right_id is not None:
                 found = self._merge(left_id, right_id)
                 if found is not None:
-                    merged_ids[left_id, right_id] = found[1]
-                    heapq.heappush(queue, (found[0], left, right, left_id, right_id))
+                    heapq.heappush(queue, (found[0], left, right, left_id, right_id, found[1]))
 
         for i in range(1, n):
             consider(i - 1, i)
         while queue:
-            _, left, right, left_id, right_id = heapq.heappop(queue)
+            _, left, right, left_id, right_id, merged_id = heapq.heappop(queue)
             # A pair whose symbols have merged since it was queued is stale (llama.cpp compares the texts).
             if not (alive[left] and alive[right] and nxt[left] == right and ids[left] == left_id
                     and ids[right] == right_id):
                 continue
-            ids[left] = merged_ids[(left_id, right_id)]
+            ids[left] = merged_id
             alive[right] = False
             after = nxt[right]
             nxt[left] = after
