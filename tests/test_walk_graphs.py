@@ -13,7 +13,8 @@ from larql_desktop.engine.cache.keys import (default_top_k, feature_key, key_fea
 from larql_desktop.engine.cache.tiers import TierSettings
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.core import LarqlEngine
-from larql_desktop.engine.graphs.ffn import top_k_mask_nodes
+from larql_desktop.engine.graphs.decoder import threshold_check_nodes
+from larql_desktop.engine.graphs.ffn import top_k_mask_nodes, top_k_threshold_nodes
 from larql_desktop.engine.graphs.store import make_model, session_options
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
 
@@ -33,6 +34,19 @@ def mask_session():
                        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["T", "F"]),
                         helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
                        [helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["T", "F"])], "top_k_mask")
+    return ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def threshold_session():
+    """The whole-step decoders' selection and its check (the nodes the walked decoders are built from), alone."""
+    inits: list = []
+    nodes = top_k_threshold_nodes("scores", "k", "selection_weights") + threshold_check_nodes(inits)
+    model = make_model(nodes, inits,
+                       [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["T", "F"]),
+                        helper.make_tensor_value_info("k", TensorProto.INT64, [1])],
+                       [helper.make_tensor_value_info("selection_weights", TensorProto.FLOAT, ["T", "F"]),
+                        helper.make_tensor_value_info("settled", TensorProto.BOOL, ["T"])], "top_k_threshold")
     return ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
 
 
@@ -115,6 +129,35 @@ def test_onnx_top_k_mask_selects_what_select_features_selects(mask_session):
         assert set(np.unique(mask).tolist()) <= {0.0, 1.0}
         for row, row_mask in zip(rows, mask):
             assert np.array_equal(np.flatnonzero(row_mask), select_features(row, k))
+
+
+def test_a_settled_threshold_selection_is_the_top_k_and_an_unsettled_one_a_tie(threshold_session):
+    """Where the check says settled, the threshold mask is select_features' choice; where it does not, the row has
+    a tie at the k-th place or a NaN (the walk then selects itself). Every k from 1 to the width, ties between +v
+    and -v, NaN and infinite rows."""
+    rng = np.random.default_rng(3)
+    outcomes = {True: 0, False: 0}
+    for trial in range(300):
+        width = int(rng.integers(2, 1600))
+        k = int(rng.integers(1, width + 1))
+        rows = tie_heavy_rows(rng, 4, width) if trial % 2 else rng.standard_normal((4, width)).astype(np.float32)
+        if trial % 5 == 0:
+            rows[0, int(rng.integers(width))] = np.nan
+            rows[1, int(rng.integers(width))] = np.inf
+        mask, settled = threshold_session.run(None, {"scores": rows, "k": np.array([k], np.int64)})
+        assert set(np.unique(mask).tolist()) <= {0.0, 1.0}
+        for row, row_mask, row_settled in zip(rows, mask, settled):
+            outcomes[bool(row_settled)] += 1
+            exact = select_features(row, k)
+            if row_settled:
+                assert np.array_equal(np.flatnonzero(row_mask), exact)
+            else:
+                magnitudes = np.sort(np.abs(row))[::-1]
+                tie = k < width and magnitudes[k - 1] == magnitudes[k]
+                assert tie or np.isnan(row).any()
+    assert outcomes[True] > 300 and outcomes[False] > 300     # both cases were met
+    real = rng.standard_normal((8, 1536)).astype(np.float32)
+    assert threshold_session.run(None, {"scores": real, "k": np.array([1213], np.int64)})[1].all()
 
 
 def _walked(graphs, layer: int, x: np.ndarray, k: int) -> np.ndarray:

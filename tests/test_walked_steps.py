@@ -119,3 +119,25 @@ def test_a_tie_at_the_k_th_place_leaves_the_layer_to_the_walk(model):
     assert len(_stored(engine.l2, walk.key_log)) == 5
     snap = engine.session_snapshot(session)
     assert snap.tiers["L2"].misses[:5].sum() == 5 and snap.tiers["L2"].misses[5:].sum() == 0
+
+
+def test_with_the_cache_off_a_tie_at_the_k_th_place_also_leaves_the_layer_to_the_walk(model):
+    """The walked decoder selects by threshold, which at a tie holds every tied feature: the step keeps the
+    layers before it (counted as the cache-off walk's), and the walk computes that layer with its own rule."""
+    ids = _prompt(model, "Name a colour.")
+    engine = LarqlEngine(model, l1=OFF, l2=OFF)
+    session = engine.new_session()
+    walk, transformer = session.ffn, model.transformer
+    kv = KvCache(model.config)
+    token = int(np.argmax(transformer.forward(ids, kv, walk)[-1]))
+    ran = transformer.decoder.run_walked(transformer.embed(np.array([token])), kv.length, kv, transformer.rope,
+                                         walk.settings.top_k)
+    assert ran.settled.all() and (ran.selections.sum(axis=1) == walk.settings.top_k).all()
+    settled = ran.settled.copy()
+    settled[7] = False                    # as the graph says for a tie
+    before = engine.session_snapshot(session).bypasses["cache_off"].copy()
+    walked = walk.stepper.steps_walked
+    assert walk.stepper.settle_walked_step(replace(ran, settled=settled)) == 7
+    counted = engine.session_snapshot(session).bypasses["cache_off"] - before
+    assert counted[:7].tolist() == [1] * 7 and counted[7:].sum() == 0
+    assert walk.stepper.steps_walked == walked            # not a whole step

@@ -333,20 +333,23 @@ class WalkStepper:
 
     def settle_walked_step(self, ran) -> int:
         """Take the layers of a step the walked decoder computed (a decoder.WalkedPass) as the walk's own, from the
-        first. With the cache off, all of them: the per-layer path runs the same top-K walk graph. With tiers,
-        each layer's key is made from its selection and looked up in every tier at once; the layers before the
-        first that a lookup would serve, or whose selection ties at the K-th place (where the walk's own choice
-        is made in Python), are the misses they were: recorded (untimed: one call ran the step), linked in the
-        trace and stored. Returns how many; the model computes on from that layer, whose lookup is its own."""
+        first, up to the first whose selection ties at the K-th place (not "settled": the graph's threshold
+        selection then holds every tied feature, where the walk's own rule keeps the lower ids). With the cache
+        off, that is all it checks: the per-layer path runs the same top-K walk. With tiers, each layer's key is
+        made from its selection and looked up in every tier at once; the layers before the first that a lookup
+        would serve are the misses they were: recorded (untimed: one call ran the step), linked in the trace and
+        stored. Returns how many; the model computes on from that layer, whose lookup is its own."""
         walk = self.walk
         n = walk.n_layers
         tiers = walk.lookup_tiers()
-        if not tiers:
-            walk.record_untimed([(layer, "bypass", (), "cache_off") for layer in range(n)], bypass="cache_off")
-            self._previous = self._last_step_key = None
-            self.steps_walked += 1
-            return n
         kept = n if ran.settled.all() else int(np.argmin(ran.settled))
+        if not tiers:
+            if kept:
+                walk.record_untimed([(layer, "bypass", (), "cache_off") for layer in range(kept)], bypass="cache_off")
+            self._previous = self._last_step_key = None
+            if kept == n:
+                self.steps_walked += 1
+            return kept
         if not kept:
             return 0
         packed = np.packbits(ran.selections[:kept], axis=1, bitorder="little")

@@ -36,7 +36,7 @@ from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPass, ServedPass, WalkedPass,
                                                  head_nodes, layers_with_ffn, mixed_pass_nodes, replay_pass_nodes,
                                                  rope_bases, served_pass_nodes, walked_pass_nodes)
-from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_top_k_graph
+from larql_desktop.engine.graphs.ffn import build_dense_graph, build_walk_threshold_graph
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.graphs.onnx_deferred import FLOAT
@@ -105,7 +105,7 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     """The walked decoder (graphs/decoder.py) over B rows: outputs "inputs", "scores", "selections", "outputs",
     "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
     n = cfg.n_layers
-    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
+    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_threshold_graph, shared=("k",))
     _rows_as_sequences(inits)
     nodes += walked_pass_nodes(n, inits)
     inputs, outputs = _batched_io(cfg)

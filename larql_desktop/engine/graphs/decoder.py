@@ -45,7 +45,8 @@ import numpy as np
 
 from larql_desktop.engine.graphs.blocks import BLOCK_EXPORT_FORMAT, build_head_graph, build_layer_graph
 from larql_desktop.engine.model.config import ModelConfig
-from larql_desktop.engine.graphs.ffn import EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph, build_walk_top_k_graph
+from larql_desktop.engine.graphs.ffn import (EXPORT_FORMAT as FFN_EXPORT_FORMAT, build_dense_graph, build_walk_threshold_graph,
+                                             build_walk_top_k_graph)
 from larql_desktop.engine.formats.gguf import GgufFile
 from larql_desktop.engine.graphs.store import Binding, GraphStore, LazySessions, Progress, ZeroRows, make_model, session_options
 from larql_desktop.engine.graphs.onnx_deferred import FLOAT
@@ -57,7 +58,8 @@ else:
     from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
 
 # The decoder is rebuilt whenever the graphs it is made of change.
-DECODER_EXPORT_FORMAT = f"decoder2-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"   # 2: no head in served/walked
+# 2: no head in served/walked; 3: the walked decoders select by threshold
+DECODER_EXPORT_FORMAT = f"decoder3-blocks{BLOCK_EXPORT_FORMAT}-ffn{FFN_EXPORT_FORMAT}"
 MANIFEST = "decoder.manifest.json"
 FILE = "decoder.onnx"
 SERVED_FILE = "decoder.served.onnx"
@@ -242,10 +244,12 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
     layer: "inputs" (n, d) the normed FFN inputs, "scores" (n, F) their gate scores,
     "selections" (n, F) bool the features each layer summed, "outputs" (n, d) the FFN outputs, "residuals"
     (n, d) the residuals after attention, and "settled" (n,) whether the selection is the only top K of the
-    scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set).
-    Composed from the layer graphs and the top-K walk graphs the per-layer path runs; the head graph runs after."""
+    scores (no tie at the K-th place, no NaN: where it is, the walk's own selection is the same set; where it is
+    not, the layer's selection and output are not the walk's, and the walk computes that layer itself).
+    Composed from the layer graphs and the top-K walk graphs the per-layer path runs (selecting by threshold,
+    which is their selection wherever a layer is settled); the head graph runs after."""
     n = cfg.n_layers
-    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_top_k_graph, shared=("k",))
+    nodes, inits = layers_with_ffn(gguf, cfg, build_walk_threshold_graph, shared=("k",))
     nodes += walked_pass_nodes(n, inits)
     cache_inputs, cache_outputs = _cache_and_rope_io(cfg)
     inputs = [helper.make_tensor_value_info("h", FLOAT, [1, cfg.hidden]),
@@ -261,18 +265,37 @@ def build_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelPr
 
 
 def walked_pass_nodes(n: int, inits: list) -> list:
-    """The walked decoder's outputs gathered from its `n` layers, layer-major: "inputs", "scores", "outputs",
-    "residuals", "selections" (bool) and "settled" (selection_check_nodes)."""
+    """The walked decoder's outputs gathered from its `n` layers (their FFNs build_walk_threshold_graph's),
+    layer-major: "inputs", "scores", "outputs", "residuals", "selections" (bool) and "settled"
+    (threshold_check_nodes)."""
     nodes = [helper.make_node("Concat", [f"l{i}.{part}" for i in range(n)], [name], axis=0)
              for name, part in (("inputs", "x_ffn"), ("scores", "ffn.scores"), ("outputs", "ffn_out"),
                                 ("residuals", "h_out"), ("selection_weights", "ffn.mask"))]
     nodes.append(helper.make_node("Cast", ["selection_weights"], ["selections"], to=TensorProto.BOOL))
-    return nodes + selection_check_nodes(inits)
+    return nodes + threshold_check_nodes(inits)
+
+
+def threshold_check_nodes(inits: list) -> list:
+    """"settled" (rows,): per layer row, whether its threshold selection ("selection_weights", 0/1 floats) holds
+    exactly "k" features and its "scores" no NaN. A threshold selection of k features is the scores' only top
+    k (no tie at the k-th place), so it is the exact rule's; at a tie it holds more. The NaN test sums the row
+    (a NaN or +inf beside -inf makes the sum NaN: such a row is left to the walk too)."""
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "check_axis"))
+    return [
+        helper.make_node("ReduceSum", ["selection_weights", "check_axis"], ["check_count"], keepdims=0),
+        helper.make_node("Cast", ["k"], ["check_k"], to=TensorProto.FLOAT),
+        helper.make_node("Equal", ["check_count", "check_k"], ["check_exact"]),
+        helper.make_node("ReduceSum", ["scores", "check_axis"], ["check_total"], keepdims=0),
+        helper.make_node("IsNaN", ["check_total"], ["check_nan"]),
+        helper.make_node("Not", ["check_nan"], ["check_finite"]),
+        helper.make_node("And", ["check_exact", "check_finite"], ["settled"]),
+    ]
 
 
 def mixed_pass_nodes(gguf: GgufFile, cfg: ModelConfig) -> tuple[list, list]:
     """The walked and the served decoder in one graph, row by row (graphs/batched.py's mixed decoder): every layer
-    gated (its "scores" as the served decoder's) and followed by the top-K walk graph (as the walked decoder's);
+    gated (its "scores" as the served decoder's) and followed by the top-K walk graph (the exact TopK selection:
+    the selection check below is the served rows' and holds for it);
     where the input "given" (rows, 1) is true, the layer's FFN output is the row's part of "served" (layer-major,
     as served_pass_nodes reads it) and its scores and selection the gated layer's and the row's part of the input
     "selections_in" (layer-major too), elsewhere the walk's. Gathered as walked_pass_nodes gathers them:
@@ -356,7 +379,8 @@ class ReplayPass:
 class WalkedPass:
     """What one call of the walked decoder graph computed, per layer (rows): the normed FFN inputs (n, d), their
     gate scores (n, F), the features summed (n, F) bool, the FFN outputs (n, d), the residuals after attention
-    (n, d) and whether each selection is the scores' only top K. (The logits: as for ServedPass.)"""
+    (n, d) and whether each selection is the scores' only top K (where not, that layer's selection and output
+    are not the walk's: see build_walked_decoder_graph). (The logits: as for ServedPass.)"""
     inputs: np.ndarray
     scores: np.ndarray
     selections: np.ndarray
