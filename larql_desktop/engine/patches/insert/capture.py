@@ -253,6 +253,8 @@ class Capturing:
             if walk_k is None:
                 logits = batched.run(h, positions, keys, values, transformer.rope)
             else:       # the head as the single walked step reads it: each row's last residual and FFN output
+                # (A layer with a tie at the K-th place, not "settled", is taken as the graph computed it, where the
+                # single path computes that layer with the walk's own rule: real gate scores do not tie there.)
                 passes = batched.run_walked(h, positions, keys, values, transformer.rope, walk_k)
                 logits = transformer.graphs.run_head(np.stack([p.residuals[-1] for p in passes]),
                                                      np.stack([p.outputs[-1] for p in passes]))
