@@ -68,10 +68,12 @@ class Captured(NamedTuple):
 
 
 class RememberedInputs(NamedTuple):
-    """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them."""
+    """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them, and for the contexts
+    `Capturing.written_inputs` resumes, the residual after attention at the layer it resumes from."""
     from_layer: int
     inputs: list
     nbytes: int
+    residual: tuple[int, np.ndarray] | None = None     # (layer, (T, d))
 
 
 class InsertCancelled(Exception):
@@ -275,23 +277,60 @@ class Capturing:
     def base_inputs(self, ids: Sequence[int], from_layer: int) -> list[np.ndarray | None]:
         """Per layer the normed FFN inputs (T, d) of `ids` under the base weights, from `from_layer` on (None
         before it: INSERT keys only the late half of the network, or from a layer the user pins), remembered.
-        The negatives are captured under the base weights (earlier facts' features fire only on their own
-        questions), and most are the same from one insert to the next: the relation's decoys, the generic
-        sentences, the earlier facts' questions and answers. Least recently used forgotten first, within
-        CAPTURE_MEMORY_BYTES; a FIFO of a fixed count forgot each one just before the next insert asked again."""
+        Most negatives are captured under the base weights (no earlier fact's feature fires on them; the
+        contexts where they do are `written_inputs`'), and most are the same from one insert to the next: the
+        relation's decoys, the generic sentences, the earlier facts' questions and answers. Least recently used
+        forgotten first, within CAPTURE_MEMORY_BYTES; a FIFO of a fixed count forgot each one just before the
+        next insert asked again."""
+        return self._remembered_capture(ids, from_layer).inputs
+
+    def _remembered_capture(self, ids: Sequence[int], from_layer: int, residual_at: int | None = None
+                            ) -> RememberedInputs:
+        """`base_inputs`' memory of `ids`, captured now if it is not remembered from `from_layer` on (or, with
+        `residual_at`, without the residual at that layer)."""
         key = tuple(ids)
         known = self._remembered.get(key)
-        if known is not None and known.from_layer <= from_layer:
+        if (known is not None and known.from_layer <= from_layer
+                and (residual_at is None or (known.residual is not None and known.residual[0] == residual_at))):
             self._remembered.move_to_end(key)
-            return known.inputs
+            return known
         # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
         captured = self.capture(key, PatchOverlay())
         inputs = [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        residual = None if residual_at is None else (residual_at, captured.residuals[residual_at])
         if known is not None:
             del self._remembered[key]
-        self._remembered[key] = RememberedInputs(from_layer, inputs, sum(x.nbytes for x in inputs if x is not None))
+        nbytes = sum(x.nbytes for x in inputs if x is not None) + (0 if residual is None else residual[1].nbytes)
+        self._remembered[key] = remembered = RememberedInputs(from_layer, inputs, nbytes, residual)
         while sum(r.nbytes for r in self._remembered.values()) > CAPTURE_MEMORY_BYTES and len(self._remembered) > 1:
             self._remembered.popitem(last=False)
+        return remembered
+
+    def written_inputs(self, ids: Sequence[int], overlay: PatchOverlay, from_layer: int) -> list[np.ndarray | None]:
+        """`base_inputs` of a context where the overlay's features fire (the earlier facts' questions and
+        answers), under `overlay`: after an earlier fact writes its answer, the later layers read a residual
+        the base model never makes, and a later fact's key solved against base captures alone learned "an
+        answer was written here" and fired on every fact's question (SmolLM2, 50 facts: one key at layer 27
+        scored -45 on another fact's question in the base model and +13 under the overlay). The layers before
+        the overlay's first compute what the base model computes, so the pass resumes there from the
+        remembered base capture (a quarter of a pass on SmolLM2, where facts sit at layers 23-26)."""
+        layers = overlay.overridden_layers
+        if not layers:
+            return self.base_inputs(ids, from_layer)
+        first = layers[0]
+        if first < from_layer:          # a layer pinned below the keys' range: the whole pass
+            captured = self.capture(tuple(ids), overlay)
+            return [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        known = self._remembered_capture(ids, from_layer, residual_at=first)
+        inputs = list(known.inputs)
+        kv = KvCache(self.model.config, capacity=len(ids) + 2)
+        kv.length = len(ids)            # the layers after `first` write their rows anew; the ones before are not read
+
+        def record(i, h, x):
+            inputs[i] = x
+        assert known.residual is not None
+        self.model.transformer.resume(first, known.residual[1], known.inputs[first], kv, self.ffn(overlay),
+                                      record=record)
         return inputs
 
     def capture_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay,

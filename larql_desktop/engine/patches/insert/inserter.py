@@ -132,10 +132,13 @@ class Inserter(Contexts, Values):
         candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
         if layer is not None:
             candidates = [layer] + [c for c in candidates if c != layer]
+        written = set(self.written_contexts(self.earlier_facts(fact, current)))
         negative_inputs = []
         for ids in negatives:
             stop.check()
-            negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
+            # Keys go no lower than the candidates; where earlier facts write, under the overlay they write with.
+            negative_inputs.append(self.written_inputs(ids, current, min(candidates)) if ids in written
+                                   else self.base_inputs(ids, min(candidates)))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current

@@ -86,6 +86,9 @@ CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefl
 FOLLOW_UP = "And what about {e}? What is its {r}?"
 OWN_ANSWER_WORDS = 12    # of the model's own answer used as an earlier assistant turn
 NEGATIVES_PER_CONTEXT = 6
+# The relation asked about other entities (negative_contexts), the third also stating earlier facts (written_contexts).
+SAME_RELATION_FORMS = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
+                       "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
 EARLIER_FACTS_PER_CONVERSATION = 6    # earlier facts' questions per negative conversation (earlier_fact_conversations)
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
 COPULA = re.compile(r"\b(is|are|was|were)$")
@@ -268,8 +271,7 @@ class Contexts(Capturing):
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
         r, e = fact.relation_words, fact.entity.strip()
         texts = []
-        same_relation = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
-                         "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
+        same_relation = SAME_RELATION_FORMS
         for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
             # Every other entity in the canonical form (the neighbour users ask most) and one more form.
             texts.append(fill(same_relation[0], r, other))
@@ -295,18 +297,12 @@ class Contexts(Capturing):
         texts += [text + self.base_continuation(text) for text in continued]
         # Earlier facts: this feature must not fire on their questions, nor within or after their answers (a
         # later target's second-token key would go on with an earlier target: "Kaskel" -> "Kaskelish").
-        earlier_facts = self.earlier_facts(fact, current)
-        statements = []
-        for earlier in earlier_facts:
-            statements += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
-                           fill(same_relation[2], earlier.relation_words, earlier.entity.strip())]
         # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
         # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
-        # The earlier facts' statements in contexts of their own, chunked from the first fact: the same contexts
-        # for every later insert, so their captures are remembered (Capturing.base_inputs).
         texts = list(dict.fromkeys(texts))
-        out = [tuple(self.encode("\n".join(group[i:i + NEGATIVES_PER_CONTEXT])))
-               for group in (texts, statements) for i in range(0, len(group), NEGATIVES_PER_CONTEXT)]
+        out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
+               for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+        earlier_facts = self.earlier_facts(fact, current)
         if self.model.is_chat:
             # Chat questions about other things, as the turns of two conversations (each user turn ends in the
             # position where the assistant starts: the feature must stay silent there too).
@@ -317,6 +313,22 @@ class Contexts(Capturing):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
                 out.append(tuple(self.model.encode_prompt(messages[:-1])))
             out += self.conversation_negatives(fact)
+        return out + self.written_contexts(earlier_facts)
+
+    def written_contexts(self, earlier_facts: Sequence[Fact]) -> list[tuple[int, ...]]:
+        """The negatives where earlier facts' features fire, which the insert captures under the current overlay
+        (Capturing.written_inputs): this feature must not fire on their questions, nor within or after their
+        answers (a later target's second-token key would go on with an earlier target: "Kaskel" ->
+        "Kaskelish"). Their statements, and for chat models their questions answered in conversations, in
+        contexts of their own chunked from the first fact: the same contexts for every later insert, so their
+        base captures, where the passes resume from, are remembered."""
+        statements = []
+        for earlier in earlier_facts:
+            statements += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
+                           fill(SAME_RELATION_FORMS[2], earlier.relation_words, earlier.entity.strip())]
+        out = [tuple(self.encode("\n".join(statements[i:i + NEGATIVES_PER_CONTEXT])))
+               for i in range(0, len(statements), NEGATIVES_PER_CONTEXT)]
+        if self.model.is_chat:
             out += self.earlier_fact_conversations(earlier_facts)
         return out
 
