@@ -373,3 +373,56 @@ def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smol
               for i in range(0, len(statements), NEGATIVES_PER_CONTEXT)}
     for fact in (Fact("Quillmarsh", "capital-of", "Orrindel"), Fact("Mossgrave Abbey", "founder-of", "Isolde")):
         assert chunks <= set(ins.negative_contexts(fact, current)), fact
+
+
+def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(smollm2, monkeypatch):
+    """Where an earlier fact writes its answer, the later layers read a residual the base model never makes; a
+    later key solved against base captures there learns "an answer was written" and fires on every fact's
+    question. So the negatives holding earlier facts' statements and answered questions are captured under the
+    overlay: resumed from the remembered base capture at the overlay's first layer, bit for bit a whole pass
+    under it, and an insert takes exactly those contexts so."""
+    from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+    from larql_desktop.engine.patches.insert import fisher_key, step_pair
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    n_layers, low = smollm2.config.n_layers, smollm2.config.n_layers // 2
+    # An earlier fact: a feature keyed on the answer position of its canonical prompt, writing its target.
+    earlier = Fact("France", "capital-of", "Lyon")
+    ids = tuple(ins.encode(earlier.canonical_prompt))
+    layer = n_layers - 4
+    captured = ins.capture(ids, PatchOverlay())
+    x = captured.inputs[layer]
+    gate, bias, up, _ = fisher_key(x[-1:], x[:-1])
+    target = ins.target_token(earlier.target)
+    direction = ins.value_direction(target, [captured.logits], layer)
+    added = step_pair(layer, ins.free_slots(layer, set(), x, 2), gate, bias, up, direction * 256.0, earlier,
+                      target, 0)
+    engine.apply_patch(Patch(added, smollm2.name, smollm2.checksum))
+    current = engine.patches
+
+    later = Fact("Brenmoor", "capital-of", "Kaskel")
+    written = ins.written_contexts(ins.earlier_facts(later, current))
+    assert written and set(written) <= set(ins.negative_contexts(later, current))
+    moved = 0
+    for context in written:
+        resumed = ins.written_inputs(context, current, low)
+        whole = ins.capture(context, current).inputs
+        base = ins.base_inputs(context, low)
+        assert all(x is None for x in resumed[:low])
+        for i in range(low, n_layers):
+            np.testing.assert_array_equal(resumed[i], whole[i])
+            if i <= layer:           # before the earlier fact's layer, the base model's own pass
+                np.testing.assert_array_equal(base[i], whole[i])
+        moved += any(not np.array_equal(base[i], whole[i]) for i in range(layer + 1, n_layers))
+    assert moved                     # the earlier fact wrote in its statements: the base captures miss that
+
+    asked = []
+    original = type(ins).written_inputs
+
+    def spy(self, context, overlay, from_layer):
+        asked.append((tuple(context), overlay))
+        return original(self, context, overlay, from_layer)
+    monkeypatch.setattr(type(ins), "written_inputs", spy)
+    engine.insert(later)
+    assert {c for c, _ in asked} == set(written) and all(o is current for _, o in asked)
