@@ -426,3 +426,29 @@ def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(s
     monkeypatch.setattr(type(ins), "written_inputs", spy)
     engine.insert(later)
     assert {c for c, _ in asked} == set(written) and all(o is current for _, o in asked)
+
+
+def test_a_layer_where_another_facts_key_reaches_the_question_is_tried_first(smollm2):
+    """An earlier fact whose key reaches a later fact's question (a similar name under the same relation) writes
+    its target there at its own layers; the later insert must key at such a layer too, where the stronger key
+    holds. intruded_layers names them from the captures: another fact's feature holding at a question's answer
+    position, not this fact's own."""
+    from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+    from larql_desktop.engine.patches.insert import fisher_key, step_pair
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    layer = smollm2.config.n_layers - 5
+    asked, other = "The sport of Quarston is", "The weather today is"
+    captured = {text: ins.capture(tuple(ins.encode(text)), PatchOverlay()) for text in (asked, other)}
+    x = captured[asked].inputs[layer]
+    # Keyed on the question's answer position against the other sentence: it reaches the question.
+    gate, bias, up, _ = fisher_key(x[-1:], captured[other].inputs[layer])
+    slots = ins.free_slots(layer, set(), x, 2)
+    ops = step_pair(layer, slots, gate, bias, up, np.zeros(smollm2.config.hidden, np.float32),
+                    Fact("Quarford", "sport-of", "Mabmund"), 1, 0)
+    overlay = PatchOverlay.build((Patch(ops, smollm2.name, smollm2.checksum),), engine.base_weights)
+    under = [ins.capture(tuple(ins.encode(text)), overlay) for text in (asked, other)]
+    assert ins.intruded_layers(overlay, under, [0], set()) == {layer}
+    assert ins.intruded_layers(overlay, under, [1], set()) == set()            # silent on the other sentence
+    assert ins.intruded_layers(overlay, under, [0], {(layer, s) for s in slots}) == set()   # its own features

@@ -188,10 +188,17 @@ class Inserter(Contexts, Values):
             # Every layer keyed so the user's paraphrases fire too; if no layer can tell them from the
             # negatives, every layer again without their inner positions among the negatives, then with only
             # the canonical prompt bound to fire.
-            attempts = [(c, required, inner_negatives) for c in candidates]
+            # Where another fact's feature takes its slot on this fact's own questions, it writes its target
+            # there unopposed unless this fact keys at that layer too (then the stronger key holds): those layers
+            # are tried first.
+            intruded = self.intruded_layers(overlay, captured, list(range(required)) + conversation_starts,
+                                            {(f.layer, f.feature) for f in features})
+            order = ([layer] if layer is not None else []) + [c for c in candidates if c in intruded and c != layer]
+            order += [c for c in candidates if c not in order]
+            attempts = [(c, required, inner_negatives) for c in order]
             if required > 1:
-                attempts += [(c, required, lenient) for c in candidates]
-                attempts += [(c, 1, inner_negatives) for c in candidates]
+                attempts += [(c, required, lenient) for c in order]
+                attempts += [(c, 1, inner_negatives) for c in order]
             installed_from = None      # which of those passes installed this token's first layer
             for attempt, (candidate, must_fire, inner) in enumerate(attempts):
                 if tried >= MAX_LAYERS_PER_TOKEN or (tried and attempt // len(candidates) != installed_from):
@@ -243,6 +250,25 @@ class Inserter(Contexts, Values):
         first = features[0] if features else InstalledFeature(-1, -1, targets[0], 0, 0.0)
         return InsertResult(fact, first.layer, first.feature, p_first, rounds, patch, tuple(features),
                             tuple(targets), answers, float(np.mean(train)))
+
+    @staticmethod
+    def intruded_layers(overlay: PatchOverlay, captured: Sequence[Captured], asked: Sequence[int],
+                        own: set[tuple[int, int]]) -> set[int]:
+        """The layers where a feature of another fact (not one of `own` (layer, slot)) takes its slot at the last
+        position of a context of `captured` (under `overlay`) that `asked` names: an earlier fact whose key
+        reaches this fact's questions (a similar name under the same relation: "Quarford" on "The sport of
+        Quarston is"), which this fact's insert must meet at that layer."""
+        out = set()
+        for layer in overlay.overridden_layers:
+            lo = overlay.layer(layer)
+            if lo is None or not lo.gated.any():
+                continue
+            x = np.stack([captured[i].inputs[layer][-1] for i in asked])
+            holds = lo.holding(x @ lo.gate.T + lo.gate_bias) & lo.gated
+            others = np.array([(layer, int(f)) not in own for f in lo.features])
+            if (holds & others).any():
+                out.add(layer)
+        return out
 
     def rescue_canonical(self, canonical: list[int], targets: list[int], ops: list[PatchOperation],
                          current: PatchOverlay, fact: Fact, stop: Cancel) -> list[PatchOperation]:
