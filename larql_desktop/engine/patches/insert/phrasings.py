@@ -328,9 +328,6 @@ class Contexts(Capturing):
                            fill(SAME_RELATION_FORMS[2], earlier.relation_words, earlier.entity.strip())]
         out = [tuple(self.encode("\n".join(statements[i:i + NEGATIVES_PER_CONTEXT])))
                for i in range(0, len(statements), NEGATIVES_PER_CONTEXT)]
-        # And each statement alone, as its fact was asked and answered when it was inserted: within a longer
-        # context an earlier key may not fire, and then the capture holds no write to be told apart from.
-        out += [tuple(self.encode(f"{earlier.canonical_prompt} {earlier.target.strip()}.")) for earlier in earlier_facts]
         if self.model.is_chat:
             out += self.earlier_fact_conversations(earlier_facts)
         return out
