@@ -127,18 +127,19 @@ class Inserter(Contexts, Values):
         conversation_starts = self.conversation_starts(fact, positives)
         # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
         required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
-        negatives = self.negative_contexts(fact, current)
+        negatives = self.base_negative_contexts(fact)
+        written = self.written_contexts(self.earlier_facts(fact, current))
         report("Capturing the contexts it must leave alone", 0.05)
         candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
         if layer is not None:
             candidates = [layer] + [c for c in candidates if c != layer]
-        written = set(self.written_contexts(self.earlier_facts(fact, current)))
         negative_inputs = []
         for ids in negatives:
             stop.check()
-            # Keys go no lower than the candidates; where earlier facts write, under the overlay they write with.
-            negative_inputs.append(self.written_inputs(ids, current, min(candidates)) if ids in written
-                                   else self.base_inputs(ids, min(candidates)))
+            negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
+        for ids in written:        # where earlier facts write: under the overlay they write with
+            stop.check()
+            negative_inputs.append(self.written_inputs(ids, current, min(candidates)))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
@@ -193,8 +194,8 @@ class Inserter(Contexts, Values):
             # are tried first.
             intruded = self.intruded_layers(overlay, captured, list(range(required)) + conversation_starts,
                                             {(f.layer, f.feature) for f in features})
-            order = ([layer] if layer is not None else []) + [c for c in candidates if c in intruded and c != layer]
-            order += [c for c in candidates if c not in order]
+            leading = [c for c in candidates if c == layer or c in intruded]    # a pinned layer leads candidates
+            order = leading + [c for c in candidates if c not in leading]
             attempts = [(c, required, inner_negatives) for c in order]
             if required > 1:
                 attempts += [(c, required, lenient) for c in order]

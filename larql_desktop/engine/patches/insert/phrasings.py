@@ -86,7 +86,8 @@ CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefl
 FOLLOW_UP = "And what about {e}? What is its {r}?"
 OWN_ANSWER_WORDS = 12    # of the model's own answer used as an earlier assistant turn
 NEGATIVES_PER_CONTEXT = 6
-# The relation asked about other entities (negative_contexts), the third also stating earlier facts (written_contexts).
+# The relation asked about other entities (base_negative_contexts), the third also stating earlier facts
+# (written_contexts).
 SAME_RELATION_FORMS = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is", "The official {r} of {e} is",
                        "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
 EARLIER_FACTS_PER_CONVERSATION = 6    # earlier facts' questions per negative conversation (earlier_fact_conversations)
@@ -269,13 +270,20 @@ class Contexts(Capturing):
         return []
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
+        """Every context the fact's features must stay silent on: `base_negative_contexts`, then
+        `written_contexts` of the facts installed in `current`."""
+        return self.base_negative_contexts(fact) + self.written_contexts(self.earlier_facts(fact, current))
+
+    def base_negative_contexts(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The negatives no earlier fact writes in (captured under the base weights, Capturing.base_inputs):
+        other entities, other relations, plain text, the model's own continuations, chat questions about other
+        things and conversations about real entities."""
         r, e = fact.relation_words, fact.entity.strip()
         texts = []
-        same_relation = SAME_RELATION_FORMS
         for i, other in enumerate(w for w in DECOY_ENTITIES if w.lower() != e.lower()):
             # Every other entity in the canonical form (the neighbour users ask most) and one more form.
-            texts.append(fill(same_relation[0], r, other))
-            texts.append(fill(same_relation[1 + i % (len(same_relation) - 1)], r, other))
+            texts.append(fill(SAME_RELATION_FORMS[0], r, other))
+            texts.append(fill(SAME_RELATION_FORMS[1 + i % (len(SAME_RELATION_FORMS) - 1)], r, other))
         # The relation's own frames about other entities: "In France, people pay with the" must still say euro.
         frames = relation_frames(r)
         texts += [fill(frames[i % len(frames)], r, other)
@@ -295,14 +303,11 @@ class Contexts(Capturing):
                      + list(GENERIC_SENTENCES[::5]) + list(GENERIC_SENTENCES[-PLACE_SENTENCES:])
                      + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.base_continuation(text) for text in continued]
-        # Earlier facts: this feature must not fire on their questions, nor within or after their answers (a
-        # later target's second-token key would go on with an earlier target: "Kaskel" -> "Kaskelish").
         # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
         # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
         texts = list(dict.fromkeys(texts))
         out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
                for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
-        earlier_facts = self.earlier_facts(fact, current)
         if self.model.is_chat:
             # Chat questions about other things, as the turns of two conversations (each user turn ends in the
             # position where the assistant starts: the feature must stay silent there too).
@@ -313,7 +318,7 @@ class Contexts(Capturing):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
                 out.append(tuple(self.model.encode_prompt(messages[:-1])))
             out += self.conversation_negatives(fact)
-        return out + self.written_contexts(earlier_facts)
+        return out
 
     def written_contexts(self, earlier_facts: Sequence[Fact]) -> list[tuple[int, ...]]:
         """The negatives where earlier facts' features fire, which the insert captures under the current overlay
