@@ -151,7 +151,7 @@ def test_two_facts_under_one_relation_each_answer_and_only_their_own_key_writes(
 
 
 def test_a_word_counts_as_completed_only_where_each_conversation_the_reply_starts_in_completes_it(first_inserted):
-    from larql_desktop.engine.patches.insert.values import WIN_SHARE, spread
+    from larql_desktop.engine.patches.insert.values import WIN_SHARE, lead, spread
 
     engine, _ = first_inserted
     ins = engine.inserter()
@@ -167,10 +167,21 @@ def test_a_word_counts_as_completed_only_where_each_conversation_the_reply_start
     nexts = [int(np.argmax(c.logits)) for c in captured]
     winning = {t for i, t in enumerate(nexts) if i != left_out}
 
-    def completes(also):
-        return ins.completes(questions, captured, [], lambda t: t in winning, overlay, 1, also)
+    def completes(also, margin=0.0):
+        def clearly(logits):
+            top = int(np.argmax(logits))
+            return top in winning and lead(logits, top) >= margin
+        return ins.completes(questions, captured, [], lambda t: t in winning, clearly, overlay, 1, also)
     assert nexts[left_out] not in winning
     alone = completes(())
     assert alone >= WIN_SHARE                  # the spread alone never sees the context that fails
     assert completes([left_out]) == 0.0        # bound to complete there too, it does not
     assert completes([left_out + 1]) == alone  # one that completes changes nothing
+    # A bound context whose next token wins, but by less than the margin asked, does not count as completed:
+    # an unseen conversation a little unlike it may not (the step installs a key of its own instead).
+    hair = lead(captured[left_out + 1].logits, nexts[left_out + 1])
+    assert hair > 0
+    # (Halved and doubled: `completes` re-runs the position on its KV, whose int8-quantised activations round a
+    # little unlike the capture's.)
+    assert completes([left_out + 1], margin=hair / 2) == alone
+    assert completes([left_out + 1], margin=hair * 2) == 0.0

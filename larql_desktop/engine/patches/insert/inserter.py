@@ -164,8 +164,8 @@ class Inserter(Contexts, Values):
                 ends = self.word_ends_after(targets)
                 wins = lambda t, ends=ends: bool(ends[t])
                 wins_clearly = lambda logits, ends=ends: lead_of_word_end(logits, ends) >= WIN_MARGIN
-            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, overlay,
-                                        required, conversation_starts) >= WIN_SHARE:
+            if j > 0 and self.completes(previous[1], previous[2], targets[previous[0]:j], wins, wins_clearly,
+                                        overlay, required, conversation_starts) >= WIN_SHARE:
                 continue          # the model completes (or ends) the word itself once it has begun it
             what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
             report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
@@ -310,21 +310,24 @@ class Inserter(Contexts, Values):
         return PatchOverlay.build(current.patches + (patch,), self.base)
 
     def completes(self, contexts, captured, tail: Sequence[int], wins: Callable[[int], bool],
-                  overlay: PatchOverlay, always: int = 1, also: Sequence[int] = ()) -> float:
+                  wins_clearly: Callable[[np.ndarray], bool], overlay: PatchOverlay, always: int = 1,
+                  also: Sequence[int] = ()) -> float:
         """Share of a spread of the contexts whose greedy next token after `tail` wins under the overlay (each
         context's last position and `tail` re-run on its captured KV cache); 0 when a paraphrase the user typed
         (contexts 1 .. always - 1) or one of the contexts `also` (the question's conversations, where the reply
-        starts) does not win (the canonical prompt has rescue_canonical). A spread alone holds few of the
-        conversations, and there the model was seen to run the word on ("Starfall" -> "Starfallen") where the
-        plain phrasings end it."""
+        starts) does not win clearly (the canonical prompt has rescue_canonical). A spread alone holds few of
+        the conversations, and there the model was seen to run the word on ("Starfall" -> "Starfallen") where
+        the plain phrasings end it; a conversation it ends by a hair stands for others, unseen, where it does
+        not ("Vesoria" -> "Vesoriaa" after another earlier turn)."""
         ffn = self.ffn(overlay)
         bound = {*range(1, always), *also}
         won = []
         for i in sorted({*spread(len(captured), always), *also}):
             ids, kv = contexts[i], captured[i].kv
             kv.truncate(len(ids) - 1)
-            won.append(wins(int(np.argmax(self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]))))
-            if i in bound and not won[-1]:
+            logits = self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]
+            won.append(wins(int(np.argmax(logits))))
+            if i in bound and not wins_clearly(logits):
                 return 0.0
         return float(np.mean(won)) if won else 0.0
 
