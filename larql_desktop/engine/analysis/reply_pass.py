@@ -128,7 +128,7 @@ def run_reply_pass(engine, ids: Sequence[int], positions: Sequence[int]) -> Repl
         ovr = overlay.layer(layer)
         if ovr is not None and ovr.gated.any():
             # Where an inserted feature takes its slot (the walk's rule, LayerOverrides.holding).
-            holds = ovr.holding(x[at] @ ovr.gate.T + ovr.gate_bias) & ovr.gated        # (P, n_overrides)
+            holds = ovr.inserted_holding(x[at])        # (P, n_overrides)
             fired[layer] = holds.any(axis=1)
             for p in np.flatnonzero(fired[layer]):
                 fired_features[layer][p] = tuple(int(f) for f in ovr.features[holds[p]])

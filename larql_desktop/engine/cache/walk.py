@@ -222,7 +222,7 @@ class WalkFfn:
         ovr = self.patches.layer(layer)
         if ovr is None:
             return None, None, None
-        patched = x @ ovr.gate.T + ovr.gate_bias
+        patched = ovr.scores(x)
         # An inserted (gated) feature takes over its slot only where it fires and its fact wins (LayerOverrides.
         # holding); elsewhere the slot keeps its base feature. Plain overrides replace their feature everywhere.
         return ovr, patched, ovr.holding(patched)

@@ -282,6 +282,15 @@ class LayerOverrides:
         for a in (self.features, self.gate, self.up, self.down, self.gate_bias, self.gated, self.group):
             a.flags.writeable = False
 
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """The overrides' biased gate scores (T, n) for normed FFN inputs `x` (T, d): what `holding` reads."""
+        return x @ self.gate.T + self.gate_bias
+
+    def inserted_holding(self, x: np.ndarray) -> np.ndarray:
+        """Where each inserted (gated) feature takes its slot (T, n) bool for inputs `x`; plain overrides, which
+        hold everywhere, are False (they are no key that fires)."""
+        return self.holding(self.scores(x)) & self.gated
+
     def holding(self, patched: np.ndarray) -> np.ndarray:
         """Where each override takes its slot (T, n) bool, given its biased gate scores `patched` (T, n).
 

@@ -265,7 +265,7 @@ class Inserter(Contexts, Values):
             if lo is None or not lo.gated.any():
                 continue
             x = np.stack([captured[i].inputs[layer][-1] for i in asked])
-            holds = lo.holding(x @ lo.gate.T + lo.gate_bias) & lo.gated
+            holds = lo.inserted_holding(x)
             others = np.array([(layer, int(f)) not in own for f in lo.features])
             if (holds & others).any():
                 out.add(layer)
