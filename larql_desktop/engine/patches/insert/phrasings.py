@@ -303,11 +303,7 @@ class Contexts(Capturing):
                      + list(GENERIC_SENTENCES[::5]) + list(GENERIC_SENTENCES[-PLACE_SENTENCES:])
                      + list(GENERIC_QUESTIONS[:2]))
         texts += [text + self.base_continuation(text) for text in continued]
-        # Several sentences per context, one per line: each forward pass costs mostly its per-layer calls, so
-        # a few long contexts capture as many negative positions as many short ones, for a fraction of the time.
-        texts = list(dict.fromkeys(texts))
-        out = [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
-               for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+        out = self.chunked(list(dict.fromkeys(texts)))
         if self.model.is_chat:
             # Chat questions about other things, as the turns of two conversations (each user turn ends in the
             # position where the assistant starts: the feature must stay silent there too).
@@ -320,6 +316,13 @@ class Contexts(Capturing):
             out += self.conversation_negatives(fact)
         return out
 
+    def chunked(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
+        """`texts` as contexts of NEGATIVES_PER_CONTEXT lines each, in order. Several sentences per context: each
+        forward pass costs mostly its per-layer calls, so a few long contexts capture as many negative positions
+        as many short ones, for a fraction of the time."""
+        return [tuple(self.encode("\n".join(texts[i:i + NEGATIVES_PER_CONTEXT])))
+                for i in range(0, len(texts), NEGATIVES_PER_CONTEXT)]
+
     def written_contexts(self, earlier_facts: Sequence[Fact]) -> list[tuple[int, ...]]:
         """The negatives where earlier facts' features fire, which the insert captures under the current overlay
         (Capturing.written_inputs): this feature must not fire on their questions, nor within or after their
@@ -331,8 +334,7 @@ class Contexts(Capturing):
         for earlier in earlier_facts:
             statements += [f"{earlier.canonical_prompt} {earlier.target.strip()}.",
                            fill(SAME_RELATION_FORMS[2], earlier.relation_words, earlier.entity.strip())]
-        out = [tuple(self.encode("\n".join(statements[i:i + NEGATIVES_PER_CONTEXT])))
-               for i in range(0, len(statements), NEGATIVES_PER_CONTEXT)]
+        out = self.chunked(statements)
         if self.model.is_chat:
             out += self.earlier_fact_conversations(earlier_facts)
         return out
