@@ -541,6 +541,14 @@ def test_the_serve_load_mode_runs_against_the_server(served):
     # Every client's prompt is new (none repeats the 1-client row's): each row's steps are walked, none replayed
     # from the FFN cache, which would flatter the ratio.
     assert all(set(r["rows_per_batched_step_by_kind"]) == {"walked"} for r in report["aggregate"])
+    # The server's seconds by kind of step: each row prefilled its prompts and decoded in the batch (one client
+    # alone too: its reply takes a batch row), and its busy seconds fit in its wall time.
+    for r in report["aggregate"]:
+        busy = r["server_seconds"]
+        assert busy["prefill"] > 0 and busy["batched decode"] > 0 and busy["decode"] == 0, busy
+        assert busy["prefill"] + busy["batched decode"] + busy["idle"] == pytest.approx(r["seconds"], abs=0.01)
+        assert r["decode_tok_per_s"] >= r["tok_per_s"]
+    assert report["aggregate"][1]["decode_vs_one_client"] > 0
     assert report["beside_long"]["long_prompt_tokens"] > 64 and report["prefill"][0]["prompt_tokens"] > 32
     assert report["conversations"] == "chat" and report["beside_long"]["chunk_stops"] in (0, 1)
 

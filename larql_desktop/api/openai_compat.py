@@ -72,6 +72,11 @@ def is_openai_path(path: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- scheduling
+# What a turn's step is: a chunk of a prompt (and the first token sampled from its end), one reply's decode step,
+# or a step of every reply in the decode batch.
+TURN_KINDS = ("prefill", "decode", "batched decode")
+
+
 class FairTurns:
     """An asyncio semaphore that hands its `slots` out strictly in arrival order (a request that takes a turn
     queues again behind everyone already waiting), so concurrent generations interleave step by step.
@@ -90,11 +95,16 @@ class FairTurns:
         self._newcomers: dict[object, int] = {}
         self._newcomers_lock = threading.Lock()
         self.chunk_stops = 0        # prefill chunks stopped between layers for a newcomer (generation threads)
+        # Seconds the generation threads spent in steps, by kind (TURN_KINDS): where a load's time goes (a batch
+        # of decode rows against the prompts' prefill), without a profiler.
+        self._busy = dict.fromkeys(TURN_KINDS, 0.0)
+        self._busy_lock = threading.Lock()
 
-    async def run(self, fn, newcomer: int | None = None):
+    async def run(self, fn, newcomer: int | None = None, kind: str = "decode"):
         """fn() in a generation thread, during a turn. Cancelled, it still waits for fn to return (a forward
         pass cannot be interrupted), so whoever cleans up afterwards never races the step. `newcomer`: the
-        prompt positions of a request taking its first turn (`newcomer_shorter_than` tells a running prefill)."""
+        prompt positions of a request taking its first turn (`newcomer_shorter_than` tells a running prefill);
+        `kind`: what the step is (TURN_KINDS), for `busy_seconds`."""
         ticket = object()
         if newcomer is not None:
             with self._newcomers_lock:
@@ -105,7 +115,7 @@ class FairTurns:
             with self._newcomers_lock:
                 self._newcomers.pop(ticket, None)
         try:
-            return await self.call(fn)
+            return await self.call(fn, kind)
         finally:
             self._release()
 
@@ -118,9 +128,25 @@ class FairTurns:
             self.chunk_stops += shorter
         return shorter
 
-    async def call(self, fn):
-        """fn() in a generation thread, within a turn the caller holds (`async with turns`)."""
-        return await anyio.to_thread.run_sync(lambda: self._threads.submit(fn).result())
+    async def call(self, fn, kind: str = "decode"):
+        """fn() in a generation thread, within a turn the caller holds (`async with turns`); its time counts
+        as `kind`'s."""
+        if kind not in self._busy:
+            raise ValueError(f"a turn is one of {', '.join(TURN_KINDS)}, not {kind!r}")
+
+        def timed():
+            started = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                with self._busy_lock:
+                    self._busy[kind] += time.perf_counter() - started
+        return await anyio.to_thread.run_sync(lambda: self._threads.submit(timed).result())
+
+    def busy_seconds(self) -> dict[str, float]:
+        """Seconds spent in steps so far, by kind (a copy)."""
+        with self._busy_lock:
+            return dict(self._busy)
 
     async def __aenter__(self) -> None:
         if self._free and not self._waiting:
@@ -193,7 +219,8 @@ class BatchTurns:
                 runs = list(self._queues)
                 self._stepping = set(runs)
                 try:
-                    results = await self._turns.call(lambda: self.batch.step({r.row: r.step for r in runs}))
+                    results = await self._turns.call(lambda: self.batch.step({r.row: r.step for r in runs}),
+                                                     "batched decode")
                 except Exception as exc:       # every reply of the step ends with it (none waits forever)
                     log.exception("a batched decode step failed")
                     results = {r.row: exc for r in runs}
@@ -565,7 +592,8 @@ def openai_router(engine, turns: FairTurns | None = None, max_completions: int =
                         if isinstance(item, BaseException):
                             raise item
                         yield item
-                text = await turns.run(run.step, newcomer=None if run.started else run.prompt_tokens)
+                text = await turns.run(run.step, newcomer=None if run.started else run.prompt_tokens,
+                                       kind="prefill" if run.prefilling else "decode")
                 if text:
                     yield text
         finally:

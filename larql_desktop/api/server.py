@@ -354,8 +354,9 @@ def create_app(engine: LarqlEngine, *, token: str | None = None, max_body: int =
         doc["l3"] = engine.l3.status() if engine.l3 is not None else None
         doc["prefix_cache"] = engine.prefix_cache.stats().to_dict()
         doc["batch"] = batch.stats().to_dict() if batch is not None else None
-        # Prefill chunks stopped between two layers so that a newly arrived shorter prompt ran first.
-        doc["scheduling"] = {"chunk_stops": turns.chunk_stops}
+        # Prefill chunks stopped between two layers so that a newly arrived shorter prompt ran first, and the
+        # generation threads' busy seconds by kind of step.
+        doc["scheduling"] = {"chunk_stops": turns.chunk_stops, "busy_seconds": turns.busy_seconds()}
         return finite_json(doc)
 
     @app.get("/v1/patches", response_model=PatchList)

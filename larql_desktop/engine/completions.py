@@ -102,6 +102,11 @@ class CompletionRun:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next step runs (the rest of) the prompt."""
+        return self._prefill is not None and not self.finished
+
     def step(self) -> str:
         """Run one forward pass (the first ones are the prompt's prefill chunks, or parts of a chunk `pause`
         stopped, which return '') and return the reply text it completed (often '' while a UTF-8 sequence or a

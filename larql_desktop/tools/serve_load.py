@@ -4,7 +4,8 @@ same run can point at this server and at another one (llama-cpp-python's `python
   multi_turn     one conversation whose client re-sends the whole history each turn: time to first token by turn
   shared_prefix  clients one after another, each with the same long system prompt and its own question: TTFT each
   aggregate      N clients streaming greedy replies at once: completion tokens per second of all of them together
-                 (from larql-desktop, also its batched decoder calls and rows per call, from /v1/cache-stats)
+                 (from larql-desktop, also its batched decoder calls and rows per call, and its seconds in prefill,
+                 in decode steps and idle, from /v1/cache-stats: the decode rate alone is what batching moves)
   beside_long    a short request's TTFT alone, then sent while a long prompt (`--long-tokens`) is being prefilled
   prefill        time of a 1-token completion of prompts of 256 / 1,024 / 2,048 tokens (the prompt's first words
                  differ every run, so no server can serve them from a prefix cache)
@@ -80,7 +81,7 @@ class Client:
 
     def scheduling_stats(self) -> dict | None:
         """This server's scheduling counters (larql-desktop's /v1/cache-stats `scheduling`: prefill chunks stopped
-        for a newly arrived shorter prompt); None from a server without them."""
+        for a newly arrived shorter prompt, seconds busy by kind of step); None from a server without them."""
         return self._server_stats("scheduling")
 
     def settle(self, timeout: float = 60.0) -> None:
@@ -177,6 +178,7 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
         client.settle()
         before = client.batch_stats()
+        busy_before = (client.scheduling_stats() or {}).get("busy_seconds")
         t0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -184,6 +186,7 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
             t.join()
         seconds = time.perf_counter() - t0
         after = client.batch_stats()
+        busy_after = (client.scheduling_stats() or {}).get("busy_seconds")
         row = {"clients": n, "tokens": sum(tokens), "seconds": _rounded(seconds),
                "tok_per_s": round(sum(tokens) / seconds, 1), "per_client_tokens": tokens, "errors": errors}
         if before is not None and after is not None:
@@ -197,10 +200,20 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
             row["rows_per_batched_step_by_kind"] = _per_kind(before.get("by_kind") or {}, after.get("by_kind") or {})
             row["solo_steps"] = after.get("solo_steps", 0) - before.get("solo_steps", 0)
             row["mixed_steps"] = after.get("mixed_steps", 0) - before.get("mixed_steps", 0)
+        if busy_before and busy_after:
+            # Where the row's seconds went on the server: prompts' prefill, decode steps (batched or one reply's),
+            # and idle (between steps: requests in flight, the event loop). The decode rate alone is what the
+            # batch changes; prefill grows with the clients whatever the batch does.
+            busy = {kind: _rounded(busy_after[kind] - busy_before.get(kind, 0.0)) for kind in busy_after}
+            decode = sum(v for kind, v in busy.items() if kind != "prefill")
+            row["server_seconds"] = {**busy, "idle": _rounded(max(0.0, seconds - sum(busy.values())))}
+            row["decode_tok_per_s"] = round(sum(tokens) / decode, 1) if decode else None
         out.append(row)
-    base = out[0]["tok_per_s"] if out and out[0]["clients"] == 1 else None
+    one = out[0] if out and out[0]["clients"] == 1 else {}
     for row in out:
-        row["vs_one_client"] = round(row["tok_per_s"] / base, 2) if base else None
+        row["vs_one_client"] = round(row["tok_per_s"] / one["tok_per_s"], 2) if one else None
+        if one.get("decode_tok_per_s") and row.get("decode_tok_per_s"):
+            row["decode_vs_one_client"] = round(row["decode_tok_per_s"] / one["decode_tok_per_s"], 2)
     return out
 
 
