@@ -148,6 +148,17 @@ def test_two_facts_under_one_relation_each_answer_and_only_their_own_key_writes(
         holding = {(layer, f) for layer, per_position in enumerate(fired) for features in per_position
                    for f in features}
         assert holding and holding <= own[asked], (asked, holding)
+    # The earlier fact's patch removed (the later one stays): its question, asked fresh, after its exchange or as
+    # its canonical prompt, reads as in the base model, no answer written, and the later key stays silent there
+    # too, so every reply is the unpatched model's again, token for token.
+    engine.remove_patch(first.patch.id)
+    base = PatchOverlay()
+    ins = engine.inserter()
+    for messages in ([question(FIRST)], answered_first + [question(FIRST)]):
+        answer, tokens = reply(engine, messages, engine.patches)
+        assert tokens == reply(engine, messages, base)[1], (messages, answer)
+    canonical = ins.encode(FIRST.canonical_prompt)
+    assert ins.greedy(canonical, engine.patches, REPLY_TOKENS) == ins.greedy(canonical, base, REPLY_TOKENS)
 
 
 def test_a_word_counts_as_completed_only_where_each_conversation_the_reply_starts_in_completes_it(first_inserted):

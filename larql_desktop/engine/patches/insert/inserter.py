@@ -140,6 +140,10 @@ class Inserter(Contexts, Values):
         for ids in written:        # where earlier facts write: under the overlay they write with
             stop.check()
             negative_inputs.append(self.written_inputs(ids, current, min(candidates)))
+            if current.overridden_layers:
+                # And as they read once that fact's patch is removed and this one stays: its question with no
+                # answer written must not wake this key either. The same remembered base pass: no pass of its own.
+                negative_inputs.append(self.base_inputs(ids, min(candidates)))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
