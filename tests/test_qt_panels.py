@@ -341,7 +341,8 @@ def _refused(url: str) -> bool:
         httpx.get(f"{url}/v1/health", timeout=2.0)
     except httpx.ConnectError:
         return True
-    except httpx.RemoteProtocolError:   # accepted while shutting down, closed unanswered: not gone yet, ask again
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        # Accepted while shutting down, then closed unanswered or reset: not gone yet, ask again.
         return False
     return False
 
