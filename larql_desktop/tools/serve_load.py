@@ -74,11 +74,6 @@ class Client:
                 "prompt_tokens": usage.get("prompt_tokens") if usage else None, "text": "".join(pieces),
                 "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 
-    def batch_stats(self) -> dict | None:
-        """This server's decode batch counters (larql-desktop's /v1/cache-stats `batch`); None from a server
-        without them."""
-        return self._server_stats("batch")
-
     def scheduling_stats(self) -> dict | None:
         """This server's scheduling counters (larql-desktop's /v1/cache-stats `scheduling`: prefill chunks stopped
         for a newly arrived shorter prompt, seconds busy by kind of step); None from a server without them."""
@@ -96,20 +91,24 @@ class Client:
                 return
             time.sleep(0.2)
 
-    def _server_stats(self, part: str) -> dict | None:
+    def server_stats(self) -> dict:
+        """This server's /v1/cache-stats document, read once ({} from a server without it)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             conn.request("GET", "/v1/cache-stats", headers=self.headers)
             r = conn.getresponse()
             body = r.read()
             if r.status != 200:
-                return None
-            doc = json.loads(body).get(part)
-            return doc if isinstance(doc, dict) else None
-        except (OSError, ValueError, AttributeError):
-            return None
+                return {}
+            doc = json.loads(body)
+            return doc if isinstance(doc, dict) else {}
+        except (OSError, ValueError):
+            return {}
         finally:
             conn.close()
+
+    def _server_stats(self, part: str) -> dict | None:
+        return stats_part(self.server_stats(), part)
 
     def chat(self, messages: list[dict], max_tokens: int) -> dict:
         if not self.uses_chat:
@@ -131,6 +130,12 @@ def filler(sentences: int, salt: int) -> str:
     """Text whose first words differ with `salt` (no prefix is shared between runs)."""
     return f"Catalogue {salt}. " + " ".join(f"Drawer {salt}-{i} holds {WORDS[i % len(WORDS)]} from site {i * 7 % 97}."
                                             for i in range(sentences))
+
+
+def stats_part(doc: dict, part: str) -> dict | None:
+    """One part of a /v1/cache-stats document (`batch`, `scheduling`, `l3`), or None where the server has none."""
+    found = doc.get(part)
+    return found if isinstance(found, dict) else None
 
 
 def _rounded(x: float) -> float:
@@ -177,16 +182,17 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
                 errors.append(repr(exc))
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
         client.settle()
-        before = client.batch_stats()
-        busy_before = (client.scheduling_stats() or {}).get("busy_seconds")
+        stats_before = client.server_stats()        # one read for the batch's and the scheduling's counters
         t0 = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         seconds = time.perf_counter() - t0
-        after = client.batch_stats()
-        busy_after = (client.scheduling_stats() or {}).get("busy_seconds")
+        stats_after = client.server_stats()
+        before, after = stats_part(stats_before, "batch"), stats_part(stats_after, "batch")
+        busy_before = (stats_part(stats_before, "scheduling") or {}).get("busy_seconds")
+        busy_after = (stats_part(stats_after, "scheduling") or {}).get("busy_seconds")
         row = {"clients": n, "tokens": sum(tokens), "seconds": _rounded(seconds),
                "tok_per_s": round(sum(tokens) / seconds, 1), "per_client_tokens": tokens, "errors": errors}
         if before is not None and after is not None:
@@ -209,11 +215,11 @@ def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, 
             row["server_seconds"] = {**busy, "idle": _rounded(max(0.0, seconds - sum(busy.values())))}
             row["decode_tok_per_s"] = round(sum(tokens) / decode, 1) if decode else None
         out.append(row)
-    one = out[0] if out and out[0]["clients"] == 1 else {}
+    alone: dict = out[0] if out and out[0]["clients"] == 1 else {}      # the one-client row the ratios divide by
     for row in out:
-        row["vs_one_client"] = round(row["tok_per_s"] / one["tok_per_s"], 2) if one else None
-        if one.get("decode_tok_per_s") and row.get("decode_tok_per_s"):
-            row["decode_vs_one_client"] = round(row["decode_tok_per_s"] / one["decode_tok_per_s"], 2)
+        row["vs_one_client"] = round(row["tok_per_s"] / alone["tok_per_s"], 2) if alone else None
+        if alone.get("decode_tok_per_s") and row.get("decode_tok_per_s"):
+            row["decode_vs_one_client"] = round(row["decode_tok_per_s"] / alone["decode_tok_per_s"], 2)
     return out
 
 

@@ -142,7 +142,8 @@ class Inserter(Contexts, Values):
             negative_inputs.append(self.written_inputs(ids, current, min(candidates)))
             if current.overridden_layers:
                 # And as they read once that fact's patch is removed and this one stays: its question with no
-                # answer written must not wake this key either. The same remembered base pass: no pass of its own.
+                # answer written must not wake this key either. The remembered base pass written_inputs resumed
+                # from (a pass of its own only where an earlier patch writes below the keys' range).
                 negative_inputs.append(self.base_inputs(ids, min(candidates)))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
