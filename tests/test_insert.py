@@ -452,3 +452,32 @@ def test_a_layer_where_another_facts_key_reaches_the_question_is_tried_first(smo
     assert ins.intruded_layers(overlay, under, [0], set()) == {layer}
     assert ins.intruded_layers(overlay, under, [1], set()) == set()            # silent on the other sentence
     assert ins.intruded_layers(overlay, under, [0], {(layer, s) for s in slots}) == set()   # its own features
+
+
+def test_questions_about_invented_names_hold_the_key_back_only_as_far_as_the_facts_own_allow():
+    """fisher_key's yielding negatives (the fact's questions asked about invented names): one that reads partly
+    like the fact's question stays below the threshold it would otherwise fire over; one that reads like it
+    more than the fact's own lowest positive leaves every positive firing (it yields), and so does one that
+    would take more than YIELD_SHARE of the gap."""
+    from larql_desktop.engine.patches.insert import fisher_key
+
+    rng = np.random.default_rng(0)
+    d = 16
+    axis = np.eye(d)[0]
+    pos = rng.normal(size=(20, d)) * 0.1 + 3 * axis        # the fact's answer positions
+    neg = rng.normal(size=(200, d)) * 0.1                   # everything else
+
+    def near(v: float) -> np.ndarray:
+        return v * axis + rng.normal(size=(3, d)) * 0.1
+
+    def fires(key, x: np.ndarray) -> np.ndarray:
+        return x @ key[0] + key[1] > 0
+    plain = fisher_key(pos, neg)
+    partly = near(1.5)
+    assert fires(plain, partly).all()                      # without them: the key fires there
+    held = fisher_key(pos, neg, 1, (), partly)
+    assert not fires(held, partly).any() and fires(held, pos).all() and held[3] > 0
+    for v in (2.6, 3.5):                                   # past half the gap, and past the positives' lowest
+        pressing = near(v)
+        key = fisher_key(pos, neg, 1, (), pressing)
+        assert fires(key, pos).all() and fires(key, pressing).all(), v

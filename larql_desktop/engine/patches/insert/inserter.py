@@ -127,6 +127,10 @@ class Inserter(Contexts, Values):
         conversation_starts = self.conversation_starts(fact, positives)
         # The canonical prompt and the user's paraphrases come first among the positives; each must fire.
         required = len({tuple(self.encode(text.rstrip())) for text in (fact.canonical_prompt, *paraphrases)})
+        # Where an earlier fact's key may reach this one's questions: asked as typed, fresh in a chat and in a
+        # conversation (an earlier key at a layer this fact did not key wrote there beside it: issue 33's test of
+        # two facts under one relation).
+        asked = sorted(set(range(required)) | set(self.question_starts(fact, positives)) | set(conversation_starts))
         negatives = self.base_negative_contexts(fact)
         written = self.written_contexts(self.earlier_facts(fact, current))
         report("Capturing the contexts it must leave alone", 0.05)
@@ -137,6 +141,10 @@ class Inserter(Contexts, Values):
         for ids in negatives:
             stop.check()
             negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
+        invented_inputs = []
+        for ids in self.invented_negative_contexts(fact):
+            stop.check()
+            invented_inputs.append(self.base_inputs(ids, min(candidates)))
         for ids in written:        # where earlier facts write: under the overlay they write with
             stop.check()
             negative_inputs.append(self.written_inputs(ids, current, min(candidates)))
@@ -197,7 +205,7 @@ class Inserter(Contexts, Values):
             # Where another fact's feature takes its slot on this fact's own questions, it writes its target
             # there unopposed unless this fact keys at that layer too (then the stronger key holds): those layers
             # are tried first.
-            intruded = self.intruded_layers(overlay, captured, list(range(required)) + conversation_starts,
+            intruded = self.intruded_layers(overlay, captured, asked,
                                             {(f.layer, f.feature) for f in features})
             leading = [c for c in candidates if c == layer or c in intruded]    # a pinned layer leads candidates
             order = leading + [c for c in candidates if c not in leading]
@@ -215,7 +223,8 @@ class Inserter(Contexts, Values):
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
                                      + [n[candidate] for n in negative_inputs])
-                gate, bias, up, margin = fisher_key(pos, neg, must_fire, conversation_starts)
+                yielding = np.concatenate([x[candidate] for x in invented_inputs]) if invented_inputs else None
+                gate, bias, up, margin = fisher_key(pos, neg, must_fire, conversation_starts, yielding)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}

@@ -39,6 +39,12 @@ ANSWER_STARTS = ("The {r} of {e} is", "{E}'s {r} is")
 DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Canada", "Italy", "Kenya",
                   "London", "Paris", "Tokyo", "Chicago", "Microsoft", "Google", "the company", "the city",
                   "the village", "the school", "Oxford")
+# Invented names of the kind people insert facts about, asked about as the fact is (its relation, other
+# relations, chat questions). Solved against real entities alone, a key can learn "an unfamiliar name" rather
+# than this entity: 50 facts together, the first fact's key answered four later facts' questions with its target
+# (their language, their sport, ...), in whatever relation they asked; alone, four facts' keys fired on 58 of
+# 160 questions about other invented names.
+INVENTED_ENTITIES = ("Grivanne", "Ostrelle", "Cadmirow", "Blenvik", "Suvarin", "Pradelow")
 # The same entity under other relations (and plain statements about it) must not change either.
 OTHER_RELATIONS = ("population", "history", "weather", "size", "economy", "flag", "name", "people", "age",
                    "location", "capital", "currency", "language", "mayor", "founder", "river", "leader")
@@ -230,6 +236,15 @@ class Contexts(Capturing):
         starts.add(tuple(self.conversation_ids(None, histories[0][1], fill(FOLLOW_UP, r, e))))
         return [i for i, c in enumerate(positives) if c in starts]
 
+    def question_starts(self, fact: Fact, positives: list[tuple[int, ...]]) -> list[int]:
+        """Indices among `positives` of the fact's chat questions asked fresh, at the assistant's first position
+        (chat models; [] otherwise)."""
+        if not self.model.is_chat:
+            return []
+        r, e = fact.relation_words, fact.entity.strip()
+        asked = {tuple(chat_prompt_ids(self.model, fill(q, r, e))) for q in QUESTIONS}
+        return [i for i, c in enumerate(positives) if c in asked]
+
     def conversation_negatives(self, fact: Fact) -> list[tuple[int, ...]]:
         """The same conversations asking about real entities, each answered as the model answers: every
         position must leave the model alone (the reply keeps its real answer)."""
@@ -270,9 +285,10 @@ class Contexts(Capturing):
         return []
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
-        """Every context the fact's features must stay silent on: `base_negative_contexts`, then
-        `written_contexts` of the facts installed in `current`."""
-        return self.base_negative_contexts(fact) + self.written_contexts(self.earlier_facts(fact, current))
+        """Every context the fact's features must stay silent on: `base_negative_contexts`,
+        `invented_negative_contexts`, then `written_contexts` of the facts installed in `current`."""
+        return (self.base_negative_contexts(fact) + self.invented_negative_contexts(fact)
+                + self.written_contexts(self.earlier_facts(fact, current)))
 
     def base_negative_contexts(self, fact: Fact) -> list[tuple[int, ...]]:
         """The negatives no earlier fact writes in (captured under the base weights, Capturing.base_inputs):
@@ -314,6 +330,29 @@ class Contexts(Capturing):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
                 out.append(tuple(self.model.encode_prompt(messages[:-1])))
             out += self.conversation_negatives(fact)
+        return out
+
+    def invented_negative_contexts(self, fact: Fact) -> list[tuple[int, ...]]:
+        """The fact's questions asked about invented names (INVENTED_ENTITIES but its own): in the relation's
+        forms and frames, under other relations, and (chat models) as chat questions under this relation and
+        under others, each answered "Sure.". Keys.fisher_key holds the key silent on them where the fact's
+        required contexts still fire above them (an invented name has no answer of its own to keep)."""
+        r, own = fact.relation_words, fact.entity.strip().lower()
+        names = [name for name in INVENTED_ENTITIES if name.lower() != own]
+        others = [rel for rel in OTHER_RELATIONS if rel != r.lower()]
+        frames = relation_frames(r)
+        texts = [fill(SAME_RELATION_FORMS[i % len(SAME_RELATION_FORMS)], r, name) for i, name in enumerate(names)]
+        texts += [fill(frames[i % len(frames)], r, name) for i, name in enumerate(names) if frames]
+        texts += [f"The {others[i % len(others)]} of {name} is" for i, name in enumerate(names)]
+        out = self.chunked(texts)
+        if self.model.is_chat:
+            same = [fill(QUESTIONS[i % len(QUESTIONS)], r, name) for i, name in enumerate(names)]
+            other = [fill(QUESTIONS[i % 2], others[(i * 3) % len(others)], name) for i, name in enumerate(names)]
+            for questions in (same, other):
+                messages: list[dict] = []
+                for q in questions:
+                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
+                out.append(tuple(self.model.encode_prompt(messages[:-1])))
         return out
 
     def chunked(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
