@@ -324,11 +324,7 @@ class Contexts(Capturing):
             # Chat questions about other things, as the turns of two conversations (each user turn ends in the
             # position where the assistant starts: the feature must stay silent there too).
             questions = GENERIC_QUESTIONS + tuple(fill(QUESTIONS[0], r, w) for w in DECOY_ENTITIES[:4])
-            for half in (questions[::2], questions[1::2]):
-                messages = []
-                for q in half:
-                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
-                out.append(tuple(self.model.encode_prompt(messages[:-1])))
+            out += [self.asked_in_turns(half) for half in (questions[::2], questions[1::2])]
             out += self.conversation_negatives(fact)
         return out
 
@@ -348,12 +344,16 @@ class Contexts(Capturing):
         if self.model.is_chat:
             same = [fill(QUESTIONS[i % len(QUESTIONS)], r, name) for i, name in enumerate(names)]
             other = [fill(QUESTIONS[i % 2], others[(i * 3) % len(others)], name) for i, name in enumerate(names)]
-            for questions in (same, other):
-                messages: list[dict] = []
-                for q in questions:
-                    messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
-                out.append(tuple(self.model.encode_prompt(messages[:-1])))
+            out += [self.asked_in_turns(same), self.asked_in_turns(other)]
         return out
+
+    def asked_in_turns(self, questions: Sequence[str]) -> tuple[int, ...]:
+        """`questions` as the user turns of one conversation, each answered "Sure.", ending where the assistant
+        starts after the last: every user turn ends where a key must stay silent."""
+        messages: list[dict] = []
+        for q in questions:
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": "Sure."}]
+        return tuple(self.model.encode_prompt(messages[:-1]))
 
     def chunked(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
         """`texts` as contexts of NEGATIVES_PER_CONTEXT lines each, in order. Several sentences per context: each
