@@ -570,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ffn", choices=("walk", "dense"), default="walk",
                        help="LARQL's walk FFN with the L1/L2/L3 cache (default) or the plain dense FFN")
     serve.add_argument("--batch-rows", type=int, default=8,
-                       help="replies decoding together in one forward pass per step, when the FFN is dense "
+                       help="replies decoding together in one forward pass per step, dense or walked "
                             "(0: one at a time, in turns; default 8)")
     serve.set_defaults(func=cmd_serve)
     parser.set_defaults(func=cmd_gui)

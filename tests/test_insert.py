@@ -428,23 +428,35 @@ def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(s
     assert {c for c, _ in asked} == set(written) and all(o is current for _, o in asked)
 
 
+QUARSTON = ("The sport of Quarston is", "The weather today is")     # a fact's question, and another sentence
+
+
+def quarston_key(smollm2):
+    """An engine, its inserter, a late layer, the base captures of QUARSTON, and a key (fisher_key) solved at
+    that layer on the question's answer position against the other sentence (it reaches the question), with
+    two free slots for it."""
+    from larql_desktop.engine.model.overlay import PatchOverlay
+    from larql_desktop.engine.patches.insert import fisher_key
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    ins = engine.inserter()
+    layer = smollm2.config.n_layers - 5
+    captured = {text: ins.capture(tuple(ins.encode(text)), PatchOverlay()) for text in QUARSTON}
+    x = captured[QUARSTON[0]].inputs[layer]
+    key = fisher_key(x[-1:], captured[QUARSTON[1]].inputs[layer])
+    return engine, ins, layer, captured, key, ins.free_slots(layer, set(), x, 2)
+
+
 def test_a_layer_where_another_facts_key_reaches_the_question_is_tried_first(smollm2):
     """An earlier fact whose key reaches a later fact's question (a similar name under the same relation) writes
     its target there at its own layers; the later insert must key at such a layer too, where the stronger key
     holds. intruded_layers names them from the captures: another fact's feature holding at a question's answer
     position, not this fact's own."""
     from larql_desktop.engine.model.overlay import Patch, PatchOverlay
-    from larql_desktop.engine.patches.insert import fisher_key, step_pair
+    from larql_desktop.engine.patches.insert import step_pair
 
-    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
-    ins = engine.inserter()
-    layer = smollm2.config.n_layers - 5
-    asked, other = "The sport of Quarston is", "The weather today is"
-    captured = {text: ins.capture(tuple(ins.encode(text)), PatchOverlay()) for text in (asked, other)}
-    x = captured[asked].inputs[layer]
-    # Keyed on the question's answer position against the other sentence: it reaches the question.
-    gate, bias, up, _ = fisher_key(x[-1:], captured[other].inputs[layer])
-    slots = ins.free_slots(layer, set(), x, 2)
+    engine, ins, layer, captured, (gate, bias, up, _), slots = quarston_key(smollm2)
+    asked, other = QUARSTON
     ops = step_pair(layer, slots, gate, bias, up, np.zeros(smollm2.config.hidden, np.float32),
                     Fact("Quarford", "sport-of", "Mabmund"), 1, 0)
     overlay = PatchOverlay.build((Patch(ops, smollm2.name, smollm2.checksum),), engine.base_weights)
@@ -452,6 +464,48 @@ def test_a_layer_where_another_facts_key_reaches_the_question_is_tried_first(smo
     assert ins.intruded_layers(overlay, under, [0], set()) == {layer}
     assert ins.intruded_layers(overlay, under, [1], set()) == set()            # silent on the other sentence
     assert ins.intruded_layers(overlay, under, [0], {(layer, s) for s in slots}) == set()   # its own features
+
+
+def test_a_later_facts_key_outscores_an_earlier_ones_on_its_own_question(smollm2):
+    """An earlier fact's key that fires on a later fact's question with a higher score than the later fact's own
+    key silences it there (the overlay keeps the strongest fact's features at a position). strength_to_win
+    raises the later key's scores until it holds on its question, and its step pair writes what it wrote at
+    strength 1 (within a tenth)."""
+    from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+    from larql_desktop.engine.patches.insert import step_pair
+    from larql_desktop.engine.patches.insert.keys import STEEPNESS, strength_to_win
+
+    engine, ins, layer, captured, (gate, bias, up, _), slots = quarston_key(smollm2)
+    asked = QUARSTON[0]
+    x = captured[asked].inputs[layer]
+    write = ins.value_direction(ins.target_token("Mabmund"), [captured[asked].logits], layer) * 64.0
+    earlier = Patch(step_pair(layer, slots, gate, bias, up, write, Fact("Quarford", "sport-of", "Mabmund"), 1, 0),
+                    smollm2.name, smollm2.checksum)
+    # The later fact's key fires where the earlier one does, with a third of its score.
+    weak_gate, weak_bias = gate / 3, bias / 3
+    later_slots = ins.free_slots(layer, set(slots), x, 2)
+    ours = (x[-1:] @ weak_gate + np.float32(weak_bias)) * STEEPNESS
+    theirs = ins.others_strongest(PatchOverlay.build((earlier,), engine.base_weights), layer, x[-1:], [])
+    assert ours[0] > 0 and theirs[0] > ours[0]
+    strength = strength_to_win(theirs, ours)
+    assert 1 < strength <= 16
+
+    def later(c: float) -> Patch:
+        ops = step_pair(layer, later_slots, weak_gate, weak_bias, up, -write, Fact("Quarston", "sport-of", "Kesdric"),
+                        2, 0, c)
+        return Patch(ops, smollm2.name, smollm2.checksum)
+
+    def later_holds(c: float) -> bool:
+        lo = PatchOverlay.build((earlier, later(c)), engine.base_weights).layer(layer)
+        holds = lo.inserted_holding(x[-1:])[0]
+        return bool((holds & (lo.group == 1)).any()) and not (holds & (lo.group == 0)).any()
+    assert not later_holds(1.0) and later_holds(strength)
+    # Alone, it writes what it wrote at strength 1, within the step's rounding (a steeper step is nearer the
+    # whole write where the key only just fires: this weak key reaches 1.09 of it at strength 1).
+    alone = [ins.ffn(PatchOverlay.build((later(c),), engine.base_weights))(layer, x[-1:]) for c in (1.0, strength)]
+    base = ins.ffn(PatchOverlay())(layer, x[-1:])
+    assert np.linalg.norm(alone[1] - alone[0]) <= 0.1 * np.linalg.norm(alone[0] - base)
+    assert strength_to_win(np.full(1, -np.inf), ours) == 1.0          # nothing contests: as solved
 
 
 def test_questions_about_invented_names_hold_the_key_back_only_as_far_as_the_facts_own_allow():
@@ -481,3 +535,31 @@ def test_questions_about_invented_names_hold_the_key_back_only_as_far_as_the_fac
         pressing = near(v)
         key = fisher_key(pos, neg, 1, (), pressing)
         assert fires(key, pos).all() and fires(key, pressing).all(), v
+
+
+def test_a_few_negatives_that_read_like_the_fact_are_told_apart_by_weighing_them_more():
+    """fisher_key on a fact's answer positions among thousands of negatives, five of which read like the fact
+    (another fact's question under the same relation) and differ from it along a direction the positives barely
+    vary in: the plain discriminant (one solve) has no margin and leaves most positives below its threshold;
+    weighing those five more gives a margin, keeps them and the rest silent and the positives firing; where
+    the plain solve separates already it stands."""
+    from larql_desktop.engine.patches.insert import fisher_key
+
+    rng = np.random.default_rng(0)
+    d = 24
+    axis, aside = np.eye(d)[0], np.eye(d)[1]
+    pos = rng.normal(size=(60, d)) * 0.3 + 3 * axis
+    pos[:, 1] *= 0.2                                        # the positives barely vary along `aside`
+    crowd = rng.normal(size=(3000, d)) * 0.4
+    alike = 3 * axis + 1.5 * aside + rng.normal(size=(5, d)) * 0.05
+    neg = np.concatenate([crowd, alike])
+
+    def fires(key, x: np.ndarray) -> np.ndarray:
+        return x @ key[0] + key[1] > 0
+    plain = fisher_key(pos, neg, rounds=1)
+    assert plain[3] <= 0 and fires(plain, pos).mean() < 0.5
+    key = fisher_key(pos, neg)
+    assert key[3] > 0
+    assert not fires(key, alike).any() and not fires(key, crowd).any() and fires(key, pos).mean() >= 0.9
+    separated = fisher_key(pos, crowd)
+    assert separated[3] > 0 and np.array_equal(separated[0], fisher_key(pos, crowd, rounds=1)[0])

@@ -15,8 +15,8 @@ from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchO
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
-from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
-                                                      key_layers, step_pair)
+from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, STEEPNESS, fisher_key,
+                                                      inner_negative_positions, key_layers, step_pair, strength_to_win)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
 from larql_desktop.engine.patches.insert.values import WIN_MARGIN, WIN_SHARE, Values, lead, lead_of_word_end, spread
 
@@ -230,8 +230,10 @@ class Inserter(Contexts, Values):
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
                 slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
                 direction = self.value_direction(token, [c.logits for c in captured], candidate)
+                strength = strength_to_win(self.others_strongest(overlay, candidate, pos, features),
+                                           (pos @ gate + np.float32(bias)) * STEEPNESS)
                 op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
-                                                 int(token), j)
+                                                 int(token), j, strength)
                 scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
                                                    alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
@@ -265,6 +267,20 @@ class Inserter(Contexts, Values):
         first = features[0] if features else InstalledFeature(-1, -1, targets[0], 0, 0.0)
         return InsertResult(fact, first.layer, first.feature, p_first, rounds, patch, tuple(features),
                             tuple(targets), answers, float(np.mean(train)))
+
+    @staticmethod
+    def others_strongest(overlay: PatchOverlay, layer: int, x: np.ndarray,
+                         own: Sequence[InstalledFeature]) -> np.ndarray:
+        """Per row of `x` (normed FFN inputs at `layer`), the highest biased score of another fact's inserted
+        feature there (what LayerOverrides.holding compares), -inf where there is none."""
+        lo = overlay.layer(layer)
+        mine = {(f.layer, f.feature) for f in own}
+        if lo is None:
+            return np.full(len(x), -np.inf)
+        others = lo.gated & np.array([(layer, int(f)) not in mine for f in lo.features], bool)
+        if not others.any():
+            return np.full(len(x), -np.inf)
+        return lo.scores(x)[:, others].max(axis=1)
 
     @staticmethod
     def intruded_layers(overlay: PatchOverlay, captured: Sequence[Captured], asked: Sequence[int],

@@ -16,6 +16,15 @@ POSITIVE_SLACK = 0.1    # share of the positives the gate may leave below its th
 THRESHOLD_SHARE = 0.4   # the gate's zero between the negatives' top and the positives' bottom
 MAX_LAYERS_PER_TOKEN = 3
 YIELD_SHARE = 0.25      # of the gap between the negatives' top and the positives' bottom that yielding ones may take
+# A solve whose margin is below BOOST_TARGET is solved again (up to BOOST_ROUNDS in all) with the hard negatives
+# near or above the positives' low end (within BOOST_BAND of the way down to the negatives' median) weighing BOOST
+# times more each round; the best margin of the rounds is kept.
+BOOST_ROUNDS = 6
+BOOST_TARGET = 0.2
+BOOST_BAND = 0.1
+BOOST = 8.0
+WIN_HEADROOM = 1.25     # strength_to_win: how far a fact's own key outscores another's on its positions
+MAX_STRENGTH = 16.0
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
 
 
@@ -42,7 +51,8 @@ def key_layers(n_layers: int, bounded_writes: bool) -> list[int]:
 
 
 def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequence[int] = (),
-               yielding: np.ndarray | None = None) -> tuple[np.ndarray, float, np.ndarray, float]:
+               yielding: np.ndarray | None = None, rounds: int = BOOST_ROUNDS
+               ) -> tuple[np.ndarray, float, np.ndarray, float]:
     """Gate row, gate bias and up row of a feature that fires on `pos` and not on `neg`, nor on `yielding`
     where the positives' lowest still scores above those.
 
@@ -54,6 +64,13 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
     Returns also the margin (positives' lowest minus negatives' highest, in units of the positives' median distance to the threshold),
     negative when the two overlap.
 
+    A few hard negatives that read like the positives (an earlier fact's question under the same relation about
+    a similar invented name) count for nothing in the means and covariances of thousands of rows, and one of
+    them can leave every layer without a margin (SmolLM2: "The mayor of Pelmont is" after Kelmere's insert, no
+    layer of 15 tried; the insert then kept no key for the first token). While the margin is below BOOST_TARGET
+    the discriminant is solved again (at most `rounds` solves in all) with the negatives the positives' low end
+    does not clear weighing BOOST times more each round, and the best solve is kept.
+
     `yielding` negatives (the fact's questions about invented names) shape the direction as the others do, and
     raise the threshold over those of them the positives' lowest outscores, by at most YIELD_SHARE of the gap
     the other negatives leave: held as hard as the rest, they cost conversations their answer (ten facts alone:
@@ -64,12 +81,49 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
     hard = len(neg)
     if yielding is not None and len(yielding):
         neg = np.concatenate([neg, yielding.astype(np.float64)])
-    mu_p, mu_n = pos.mean(0), neg.mean(0)
-    cov = np.cov(pos, rowvar=False) if len(pos) > 1 else np.zeros((pos.shape[1],) * 2)
-    cov = cov + np.cov(neg, rowvar=False)
-    ridge = RIDGE * np.trace(cov) / cov.shape[0]
-    w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
-    sp, sn = pos @ w, neg @ w
+    # Per-class sums, so a round of reweighting costs a rank-k update of the negatives' second moment, not a
+    # pass over thousands of rows.
+    mu_p = pos.mean(0)
+    cov_p = np.cov(pos, rowvar=False) if len(pos) > 1 else np.zeros((pos.shape[1],) * 2)
+    sum_n, moment_n = neg.sum(0), neg.T @ neg
+    weights = np.ones(hard)
+    best: tuple | None = None
+    for _ in range(max(1, rounds)):
+        boosted = np.flatnonzero(weights > 1)
+        extra = weights[boosted] - 1.0
+        total = len(neg) + float(extra.sum())
+        mu_n = (sum_n + extra @ neg[boosted]) / total
+        cov_n = (moment_n + (neg[boosted] * extra[:, None]).T @ neg[boosted]) / total - np.outer(mu_n, mu_n)
+        cov = cov_p + cov_n
+        ridge = RIDGE * np.trace(cov) / cov.shape[0]
+        w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
+        low, high, threshold, median = _placed(pos @ w, neg @ w, hard, required, also)
+        margin = (low - high) / median
+        if best is None or margin > best[-1]:
+            best = (w, high, threshold, median, margin)
+        if margin >= BOOST_TARGET:
+            break
+        # The negatives the positives' low end does not clear (typically a few positions: an earlier fact's
+        # question under the same relation, "The mayor of Kelmere is" against "... of Pelmont is") weigh more in
+        # the next solve; in the class means and covariances of thousands of rows they counted for nothing.
+        sn = neg[:hard] @ w
+        violating = sn >= low - BOOST_BAND * (low - float(np.median(sn)))
+        if not violating.any():
+            break
+        weights[violating] *= BOOST
+    assert best is not None
+    w, high, threshold, median, margin = best
+    gate = w / median
+    bias = -threshold / median
+    up = mu_p / float(mu_p @ mu_p)
+    return gate.astype(np.float32), float(bias), up.astype(np.float32), float(margin)
+
+
+def _placed(sp: np.ndarray, sn: np.ndarray, hard: int, required: int, also: Sequence[int]
+            ) -> tuple[float, float, float, float]:
+    """For scores `sp` (positives) and `sn` (negatives, the first `hard` of them hard, the rest yielding) along
+    a direction: the positives' low end, the negatives' top, the threshold between them, and the positives'
+    median distance above the threshold (the unit of fisher_key's gate and margin)."""
     # The positives' low end, not their minimum: one odd generated phrasing (or one the model reads as
     # something else) must not cost the fact every other phrasing; the negatives' top stays a hard limit. The
     # first `required` positives (the canonical prompt, the user's paraphrases) are never left out.
@@ -79,34 +133,45 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
     below = sn[hard:][sn[hard:] < low]
     if below.size and low > high:
         high = max(high, min(float(below.max()), high + YIELD_SHARE * (low - high)))
-    if low > high:
-        threshold = high + THRESHOLD_SHARE * (low - high)
-    else:
-        # Overlap: keep the negatives silent; the positives above their top still fire.
-        threshold = high
+    # Overlap: keep the negatives silent; the positives above their top still fire.
+    threshold = high + THRESHOLD_SHARE * (low - high) if low > high else high
     median = float(np.median(sp)) - threshold
     if median <= 0:
         median = max(float(np.max(sp)) - threshold, 1e-6)
-    gate = w / median
-    bias = -threshold / median
-    up = mu_p / float(mu_p @ mu_p)
-    margin = (low - high) / median
-    return gate.astype(np.float32), float(bias), up.astype(np.float32), float(margin)
+    return low, high, threshold, median
 
 
 def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, up: np.ndarray, down: np.ndarray,
-              fact: Fact, token: int, token_index: int) -> tuple[PatchOperation, PatchOperation]:
+              fact: Fact, token: int, token_index: int, strength: float = 1.0) -> tuple[PatchOperation, PatchOperation]:
     """Two features that together write `down` * (up . x) * step(gate . x + bias): the first fires with a steep
     gate (STEEPNESS times the key's), the second one unit later and subtracts, so act(s z) - act(s z - 1) rises
     from 0 to ~1 within 1/s of the key's threshold and stays there. A phrasing the key only just recognises
-    then gets the whole write, not a fraction of it, and one it recognises strongly no more than the whole."""
-    s = STEEPNESS
+    then gets the whole write, not a fraction of it, and one it recognises strongly no more than the whole.
+
+    `strength` c scales both gates and biases (act(c s z) - act(c s z - c), c high, within the same 1/s) and
+    divides the write by c: the same step and write, with scores c times higher where the overlay compares
+    facts whose keys fire at one position (LayerOverrides.holding: the strongest fact keeps its features)."""
+    s = STEEPNESS * strength
     steep = (gate * s).astype(np.float32)
-    down = down.astype(np.float32)
+    down = (down / strength).astype(np.float32)
+
     def feature(slot: int, write: np.ndarray, gate_bias: float) -> PatchOperation:
         return PatchOperation("insert", layer, int(slot), steep, up, write, gate_bias, entity=fact.entity,
                               relation=fact.relation, target=fact.target, target_token=token, token_index=token_index)
-    return feature(slots[0], down, float(bias * s)), feature(slots[1], -down, float(bias * s - 1.0))
+    return feature(slots[0], down, float(bias * s)), feature(slots[1], -down, float(bias * s - strength))
+
+
+def strength_to_win(others: np.ndarray, ours: np.ndarray) -> float:
+    """The `step_pair` strength at which a key scoring `ours` (its steep scores, STEEPNESS times gate . x + bias)
+    on its own fact's answer positions outscores, with WIN_HEADROOM, the strongest other fact's feature there
+    (`others`, biased scores as the overlay computes them) wherever both fire; 1 where none contests, at most
+    MAX_STRENGTH. Without it an earlier fact's key that reaches a later fact's question ("Quarford" on "The sport
+    of Quarston is") could outscore the later fact's own key there and silence it."""
+    contested = (ours > 0) & (others > 0)
+    if not contested.any():
+        return 1.0
+    need = float(np.max(others[contested] / ours[contested])) * WIN_HEADROOM
+    return float(min(max(1.0, need), MAX_STRENGTH))
 
 
 def inner_negative_positions(contexts: list[tuple[int, ...]], answered: int = 0) -> list[np.ndarray]:
