@@ -376,8 +376,8 @@ class Contexts(Capturing):
         out = self.chunked(statements)
         # Each earlier fact's question also alone, as its user types it: within a chunk of statements it reads
         # otherwise, and a later fact's key silent there still took the earlier fact's own prompt (50 facts
-        # together: 9 of the 10 canonical prompts lost went to a later fact's target, "The mayor of Kelmere is"
-        # -> Pelmont's " Alina").
+        # together, keys reweighted as fisher_key does: 9 of the 10 canonical prompts lost went to a later
+        # fact's target, "The mayor of Kelmere is" -> Pelmont's " Alina"; with these, 1 of 2).
         out += list(dict.fromkeys(tuple(self.encode(earlier.canonical_prompt)) for earlier in earlier_facts))
         if self.model.is_chat:
             out += self.earlier_fact_conversations(earlier_facts)
