@@ -485,9 +485,9 @@ def test_a_later_facts_key_outscores_an_earlier_ones_on_its_own_question(smollm2
     weak_gate, weak_bias = gate / 3, bias / 3
     later_slots = ins.free_slots(layer, set(slots), x, 2)
     ours = (x[-1:] @ weak_gate + np.float32(weak_bias)) * STEEPNESS
-    theirs = ins.others_strongest(PatchOverlay.build((earlier,), engine.base_weights), layer, x[-1:], [])
+    theirs = ins.others_strongest(PatchOverlay.build((earlier,), engine.base_weights), layer, x[-1:], set())
     assert ours[0] > 0 and theirs[0] > ours[0]
-    strength = strength_to_win(theirs, ours)
+    strength = strength_to_win(theirs, x[-1:], weak_gate, weak_bias)
     assert 1 < strength <= 16
 
     def later(c: float) -> Patch:
@@ -505,7 +505,7 @@ def test_a_later_facts_key_outscores_an_earlier_ones_on_its_own_question(smollm2
     alone = [ins.ffn(PatchOverlay.build((later(c),), engine.base_weights))(layer, x[-1:]) for c in (1.0, strength)]
     base = ins.ffn(PatchOverlay())(layer, x[-1:])
     assert np.linalg.norm(alone[1] - alone[0]) <= 0.1 * np.linalg.norm(alone[0] - base)
-    assert strength_to_win(np.full(1, -np.inf), ours) == 1.0          # nothing contests: as solved
+    assert strength_to_win(np.full(1, -np.inf), x[-1:], weak_gate, weak_bias) == 1.0   # nothing contests
 
 
 def test_questions_about_invented_names_hold_the_key_back_only_as_far_as_the_facts_own_allow():

@@ -11,12 +11,13 @@ import numpy as np
 
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
-from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
+from larql_desktop.engine.model.overlay import (BaseFeatureWeights, LayerOverrides, Patch, PatchOperation,
+                                                PatchOverlay)
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
-from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, STEEPNESS, fisher_key,
-                                                      inner_negative_positions, key_layers, step_pair, strength_to_win)
+from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
+                                                      key_layers, step_pair, strength_to_win)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
 from larql_desktop.engine.patches.insert.values import WIN_MARGIN, WIN_SHARE, Values, lead, lead_of_word_end, spread
 
@@ -230,8 +231,8 @@ class Inserter(Contexts, Values):
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
                 slots = self.free_slots(candidate, claimed, neg[:: max(1, len(neg) // 512)], 2)
                 direction = self.value_direction(token, [c.logits for c in captured], candidate)
-                strength = strength_to_win(self.others_strongest(overlay, candidate, pos, features),
-                                           (pos @ gate + np.float32(bias)) * STEEPNESS)
+                own = {(f.layer, f.feature) for f in features}
+                strength = strength_to_win(self.others_strongest(overlay, candidate, pos, own), pos, gate, bias)
                 op_for = lambda scale: step_pair(candidate, slots, gate, bias, up, direction * scale, fact,
                                                  int(token), j, strength)
                 scale, share, spent = self.balance(contexts, captured, candidate, wins_clearly, overlay, op_for,
@@ -269,21 +270,24 @@ class Inserter(Contexts, Values):
                             tuple(targets), answers, float(np.mean(train)))
 
     @staticmethod
-    def others_strongest(overlay: PatchOverlay, layer: int, x: np.ndarray,
-                         own: Sequence[InstalledFeature]) -> np.ndarray:
+    def others_of(lo: LayerOverrides, layer: int, own: set[tuple[int, int]]) -> np.ndarray:
+        """(n,) bool: which of `layer`'s overrides are another fact's inserted features (gated, not one of `own`
+        (layer, slot))."""
+        return lo.gated & np.array([(layer, int(f)) not in own for f in lo.features], bool)
+
+    @classmethod
+    def others_strongest(cls, overlay: PatchOverlay, layer: int, x: np.ndarray,
+                         own: set[tuple[int, int]]) -> np.ndarray:
         """Per row of `x` (normed FFN inputs at `layer`), the highest biased score of another fact's inserted
         feature there (what LayerOverrides.holding compares), -inf where there is none."""
         lo = overlay.layer(layer)
-        mine = {(f.layer, f.feature) for f in own}
-        if lo is None:
-            return np.full(len(x), -np.inf)
-        others = lo.gated & np.array([(layer, int(f)) not in mine for f in lo.features], bool)
+        others = cls.others_of(lo, layer, own) if lo is not None else np.zeros(0, bool)
         if not others.any():
             return np.full(len(x), -np.inf)
         return lo.scores(x)[:, others].max(axis=1)
 
-    @staticmethod
-    def intruded_layers(overlay: PatchOverlay, captured: Sequence[Captured], asked: Sequence[int],
+    @classmethod
+    def intruded_layers(cls, overlay: PatchOverlay, captured: Sequence[Captured], asked: Sequence[int],
                         own: set[tuple[int, int]]) -> set[int]:
         """The layers where a feature of another fact (not one of `own` (layer, slot)) takes its slot at the last
         position of a context of `captured` (under `overlay`) that `asked` names: an earlier fact whose key
@@ -295,9 +299,7 @@ class Inserter(Contexts, Values):
             if lo is None or not lo.gated.any():
                 continue
             x = np.stack([captured[i].inputs[layer][-1] for i in asked])
-            holds = lo.inserted_holding(x)
-            others = np.array([(layer, int(f)) not in own for f in lo.features])
-            if (holds & others).any():
+            if (lo.inserted_holding(x) & cls.others_of(lo, layer, own)).any():
                 out.add(layer)
         return out
 

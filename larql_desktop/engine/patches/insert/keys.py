@@ -97,22 +97,23 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
         cov = cov_p + cov_n
         ridge = RIDGE * np.trace(cov) / cov.shape[0]
         w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
-        low, high, threshold, median = _placed(pos @ w, neg @ w, hard, required, also)
+        sn = neg @ w
+        low, high, threshold, median = _placed(pos @ w, sn, hard, required, also)
         margin = (low - high) / median
         if best is None or margin > best[-1]:
-            best = (w, high, threshold, median, margin)
+            best = (w, threshold, median, margin)
         if margin >= BOOST_TARGET:
             break
         # The negatives the positives' low end does not clear (typically a few positions: an earlier fact's
         # question under the same relation, "The mayor of Kelmere is" against "... of Pelmont is") weigh more in
         # the next solve; in the class means and covariances of thousands of rows they counted for nothing.
-        sn = neg[:hard] @ w
+        sn = sn[:hard]
         violating = sn >= low - BOOST_BAND * (low - float(np.median(sn)))
         if not violating.any():
             break
         weights[violating] *= BOOST
     assert best is not None
-    w, high, threshold, median, margin = best
+    w, threshold, median, margin = best
     gate = w / median
     bias = -threshold / median
     up = mu_p / float(mu_p @ mu_p)
@@ -161,12 +162,13 @@ def step_pair(layer: int, slots: Sequence[int], gate: np.ndarray, bias: float, u
     return feature(slots[0], down, float(bias * s)), feature(slots[1], -down, float(bias * s - strength))
 
 
-def strength_to_win(others: np.ndarray, ours: np.ndarray) -> float:
-    """The `step_pair` strength at which a key scoring `ours` (its steep scores, STEEPNESS times gate . x + bias)
-    on its own fact's answer positions outscores, with WIN_HEADROOM, the strongest other fact's feature there
-    (`others`, biased scores as the overlay computes them) wherever both fire; 1 where none contests, at most
+def strength_to_win(others: np.ndarray, x: np.ndarray, gate: np.ndarray, bias: float) -> float:
+    """The `step_pair` strength at which the key (`gate`, `bias`, as fisher_key gives them) outscores, with
+    WIN_HEADROOM, on its own fact's answer positions `x` the strongest other fact's feature there (`others`, per
+    row, biased scores as the overlay computes them) wherever both fire; 1 where none contests, at most
     MAX_STRENGTH. Without it an earlier fact's key that reaches a later fact's question ("Quarford" on "The sport
     of Quarston is") could outscore the later fact's own key there and silence it."""
+    ours = (x @ gate + np.float32(bias)) * STEEPNESS      # the pair's first feature's scores at strength 1
     contested = (ours > 0) & (others > 0)
     if not contested.any():
         return 1.0
