@@ -13,7 +13,9 @@ from conftest import DATA_DIR
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.patches.insert import Fact, InsertCancelled, generated_phrasings
-from larql_desktop.tools.insert_eval import (contains_word, default_engine_factory, format_report, read_facts,
+from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.tools.insert_eval import (ROWS, ConversationCase, Decoder, FactMeasure, Score, contains_word,
+                                             default_engine_factory, format_report, read_facts,
                                              run_insert_eval, starts_with_word)
 
 
@@ -229,6 +231,34 @@ def test_insert_eval_on_one_fact(smollm2, tmp_path):
     json.dumps(doc)   # serialisable as --json writes it
     with pytest.raises(ValueError, match="--together must be at least 1"):
         run_insert_eval(default_engine_factory(smollm2), [fact], controls, together=0)
+
+
+def test_a_reply_naming_another_installed_facts_target_does_not_count_unless_its_conversation_names_it(smollm2):
+    """Facts installed together: a chat or conversation reply that names its own target but also another fact's
+    (one its conversation never mentions) is a failure, not an answer. Measured on a real fact the unpatched
+    model knows, so its replies name the target with no patch installed; a word of both replies stands in for
+    another fact's target."""
+    facts, _ = read_facts(DATA_DIR / "insert_generalization.json")
+    question = "Tell me the capital of France."
+    case = ConversationCase("system prompt", (), question, "You are a geography teacher.")
+    fact = replace(facts[0], entity="France", relation="capital-of", target="Paris", probe="The capital of France is",
+                   paraphrases=(), qa=(), neighbours=(), keep=(), questions=(question,), cases=(case,))
+    measure = FactMeasure(Decoder(LarqlEngine(smollm2, walk=WalkSettings(dense=True))), {}, smollm2.is_chat)
+
+    def verdicts(others):
+        rows = measure.measure(fact, PatchOverlay(), {k: Score() for k in ROWS}, "together ", others=others)
+        return [(r["row"], r["ok"]) for r in rows if r["row"] in ("together chat", "together conversation")], rows
+    alone, rows = verdicts(())
+    assert alone == [("together chat", True), ("together conversation", True)], rows
+    replies = [r["output"] for r in rows if r["row"] in ("together chat", "together conversation")]
+    asked = " ".join([case.system] + [m["content"] for m in measure.dec.messages(case)])
+    words = sorted({w.strip(".,!?;:'\"") for w in replies[0].split()})
+    leaked = [w for w in words if w.isalpha() and w != "Paris" and all(contains_word(t, w) for t in replies)
+              and not contains_word(asked, w)]
+    assert leaked, replies
+    assert verdicts([leaked[0]])[0] == [("together chat", False), ("together conversation", False)]
+    # Named in the conversation itself, or its own target (two facts with one target): not a leak.
+    assert verdicts(["France", "Paris"])[0] == alone
 
 
 def test_conversation_files_are_read_and_checked(tmp_path):

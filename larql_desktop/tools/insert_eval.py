@@ -4,7 +4,9 @@ For each fact (installed alone, on a clean model), with greedy decoding:
   * canonical: the continuation of the probe starts with the whole target word;
   * paraphrases: the same for each paraphrase (for a base model, its "qa" prompts count as paraphrases);
   * chat: for a chat model, each question through the chat template (default system prompt): the reply
-    contains the target;
+    contains the target (and, with facts installed together, no other fact's target that the conversation does
+    not name: 50 facts together once put another fact's target into 171 of their 500 chat, conversation and keep
+    replies, 70 of which named their own target too and had counted as answers);
   * conversation: for a chat model, the question asked after earlier turns (the same relation about a real
     entity, another relation, small talk) or under a user's own system prompt: the reply contains the whole
     target. The cases are generated from the relation (earlier assistant turns are the unpatched model's own
@@ -28,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -303,7 +305,11 @@ class FactMeasure:
             rows.append(("neighbours", p, ("text", p, CONTINUATION_TOKENS), lambda o, p=p: dec.text(p, o)))
         return rows
 
-    def measure(self, f: EvalFact, overlay: PatchOverlay, scores: dict, prefix: str = "") -> list[dict]:
+    def measure(self, f: EvalFact, overlay: PatchOverlay, scores: dict, prefix: str = "",
+                others: Sequence[str] = ()) -> list[dict]:
+        """Every row of `f` under `overlay`, counted in `scores` under `prefix` + row; a chat or conversation reply
+        that names one of the `others` (the other installed facts' targets) where its conversation does not,
+        fails."""
         dec = self.dec
         out = []
         for row, prompt, key, run in self.outputs(f, overlay):
@@ -312,7 +318,11 @@ class FactMeasure:
             if row in ("canonical", "paraphrases"):
                 ok = starts_with_word(text, f.target)
             elif row in ("chat", "conversation"):
-                ok = contains_word(text, f.target)
+                case = prompt if isinstance(prompt, ConversationCase) else ConversationCase("chat", (), prompt)
+                asked = " ".join([case.system or ""] + [m["content"] for m in dec.messages(case)])
+                ok = contains_word(text, f.target) and not any(
+                    contains_word(text, other) and not contains_word(asked, other) for other in others
+                    if other.strip().lower() != f.target.strip().lower())
             else:        # neighbours, conversation keep: the unpatched model's output, token for token
                 ok = tokens == self.clean(key, run)
                 if row == "conversation keep" and prompt[1].answer:
@@ -394,7 +404,7 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
     overlay = engine_together.patches
     kept_outputs = {}
     for f in facts:
-        prompts = measure.measure(f, overlay, s, "together ")
+        prompts = measure.measure(f, overlay, s, "together ", others=[g.target for g in facts if g is not f])
         kept_outputs[f.entity] = prompts
         report.details.append({"pass": "together", "entity": f.entity, "relation": f.relation, "target": f.target,
                                "prompts": prompts})
