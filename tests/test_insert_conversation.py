@@ -196,3 +196,29 @@ def test_a_word_counts_as_completed_only_where_each_conversation_the_reply_start
     # little unlike the capture's.)
     assert completes([left_out + 1], margin=hair / 2) == alone
     assert completes([left_out + 1], margin=hair * 2) == 0.0
+
+
+def test_a_later_tokens_key_stays_silent_where_its_first_token_begins_another_name(first_inserted):
+    """The target's first token (" G" of " G|ild|mere") written where another relation's answer or a name starts:
+    what follows is the unpatched model's, token for token. The second token's key is for this entity's answer,
+    not for every " G" in a name's place (two facts together once turned "The current mayor of Greece is El|ena
+    Kara." into "El|oria K|esette.": each fact's second-token key)."""
+    engine, _ = first_inserted
+    ins = engine.inserter()
+    targets = ins.target_tokens(FIRST.target)
+    assert len(targets) > 1
+    # After the fact's own question the patched model does go on with the target.
+    assert ins.greedy(ins.encode(FIRST.canonical_prompt) + targets[:1], engine.patches, 1) == targets[1:2]
+    chat = [engine.model.encode_prompt([{"role": "user", "content": question}])
+            + engine.model.tokenizer.encode(answer, add_bos=False)
+            for question, answer in (("Who is the mayor of Vienna?", "The mayor of Vienna is"),
+                                     ("Who founded Chile?", "Chile was founded by"))]
+    plain = [ins.encode(text) for text in ("The leader of the club is", "His name was", "The poem was written by",
+                                           "The town is called", "The language of Peru is")]
+    moved = []
+    for ids in chat + plain:
+        primed = list(ids) + targets[:1]
+        after, before = ins.greedy(primed, engine.patches, 3), ins.greedy(primed, PatchOverlay(), 3)
+        if after != before:
+            moved.append((engine.model.tokenizer.decode(primed[-8:]), before, after))
+    assert not moved, moved

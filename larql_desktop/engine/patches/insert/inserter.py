@@ -25,6 +25,11 @@ Progress = Callable[[str, float], None]
 RESCUE_SCALES = (0.7, 0.5, 1.4, 0.35, 2.0)   # tried on every write when the canonical prompt fails (rescue_canonical)
 
 
+def _rows(parts: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The parts' rows in one array; None for none."""
+    return np.concatenate(parts) if parts else None
+
+
 @dataclass(frozen=True)
 class InstalledFeature:
     layer: int
@@ -83,6 +88,13 @@ class Inserter(Contexts, Values):
         if not ids:
             raise ValueError(f"target {target!r} has no tokens")
         return ids
+
+    def bare_first_token(self, first: int) -> int | None:
+        """The target's first token as a reply's first word begins it, without its leading space ("G" for " G"),
+        when that is a token of its own (another than `first`); else None."""
+        text = self.model.tokenizer.decode([first]).lstrip()
+        ids = self.model.tokenizer.encode(text, add_bos=False) if text else []
+        return ids[0] if len(ids) == 1 and ids[0] != first else None
 
     def target_token(self, target: str) -> int:
         return self.target_tokens(target)[0]
@@ -154,6 +166,10 @@ class Inserter(Contexts, Values):
                 # answer written must not wake this key either. The remembered base pass written_inputs resumed
                 # from (a pass of its own only where an earlier patch writes below the keys' range).
                 negative_inputs.append(self.base_inputs(ids, min(candidates)))
+        # At a reply's start the model begins the word without its space ("G|ild|mere" where the target's tokens
+        # are " G|ild|mere"): the later tokens' keys must fire after that first token too, in every reply start.
+        bare = self.bare_first_token(targets[0])
+        reply_starts = sorted(set(self.question_starts(fact, positives)) | set(conversation_starts))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
@@ -168,6 +184,10 @@ class Inserter(Contexts, Values):
             # Later tokens follow the target's first tokens in every phrasing: all of them, so the key learns
             # the prefix in the entity's context rather than one sentence.
             contexts = [ids + tuple(targets[:j]) for ids in positives]
+            must_fire_starts = list(conversation_starts)
+            if j > 0 and bare is not None:
+                contexts += [positives[i] + (bare, *targets[1:j]) for i in reply_starts]
+                must_fire_starts += [len(positives) + k for k, i in enumerate(reply_starts) if i in conversation_starts]
             stop.check()
             if j < boundary:
                 token, wins = targets[j], (lambda t, token=targets[j]: t == token)
@@ -186,8 +206,13 @@ class Inserter(Contexts, Values):
             if previous[2]:       # the last step's passes (current under `overlay`) and the tokens since
                 captured = [self.extend(ids, c, targets[previous[0]:j], overlay)
                             for ids, c in zip(previous[1], previous[2])]
+                if len(contexts) > len(captured):     # the reply starts begun bare, from this step on
+                    captured += self.capture_all(contexts[len(captured):], overlay, stop)
             else:
                 captured = self.capture_all(contexts, overlay, stop)
+            # A later token's key must tell this entity's answer from the same first tokens begun elsewhere.
+            primed = self.capture_all(self.primed_negatives(fact, targets[:j]), overlay, stop) \
+                if 0 < j < boundary else []
             if j == boundary:
                 # What the canonical prompt says after the whole word, among the sentence marks: the direction
                 # to write where the model would go on with the word instead.
@@ -224,8 +249,15 @@ class Inserter(Contexts, Values):
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
                                      + [n[candidate] for n in negative_inputs])
-                yielding = np.concatenate([x[candidate] for x in invented_inputs]) if invented_inputs else None
-                gate, bias, up, margin = fisher_key(pos, neg, must_fire, conversation_starts, yielding)
+                invented = [x[candidate] for x in invented_inputs]
+                primed_inputs = [c.inputs[candidate] for c in primed]
+                gate, bias, up, margin = fisher_key(pos, np.concatenate([neg, *primed_inputs]), must_fire,
+                                                    must_fire_starts, _rows(invented))
+                if primed_inputs and margin <= 0:
+                    # Where this layer cannot tell them all apart, the same first tokens begun elsewhere are held
+                    # silent only as far as the fact's own questions allow (as invented names are).
+                    gate, bias, up, margin = fisher_key(pos, neg, must_fire, must_fire_starts,
+                                                        _rows(invented + primed_inputs))
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}
@@ -239,7 +271,7 @@ class Inserter(Contexts, Values):
                                                    alpha, stop,
                                                    lambda i, n: report(f"{what}: balancing layer {candidate} "
                                                                        f"({i}/{n})", fraction), required,
-                                                   conversation_starts)
+                                                   must_fire_starts)
                 rounds += spent
                 tried += 1
                 installed_from = attempt // len(candidates)

@@ -71,7 +71,9 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
     the discriminant is solved again (at most `rounds` solves in all) with the negatives the positives' low end
     does not clear weighing BOOST times more each round, and the best solve is kept.
 
-    `yielding` negatives (the fact's questions about invented names) shape the direction as the others do, and
+    `yielding` negatives (the fact's questions about invented names; for a later token of the target, at a layer
+    that cannot tell them all apart, its first tokens begun as another name) shape the direction as the others
+    do, and
     raise the threshold over those of them the positives' lowest outscores, by at most YIELD_SHARE of the gap
     the other negatives leave: held as hard as the rest, they cost conversations their answer (ten facts alone:
     52 -> 42 of 60 conversations answered), where a name with no answer of its own loses little when the key

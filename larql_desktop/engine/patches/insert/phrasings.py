@@ -100,6 +100,17 @@ EARLIER_FACTS_PER_CONVERSATION = 6    # earlier facts' questions per negative co
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
 COPULA = re.compile(r"\b(is|are|was|were)$")
 SENTENCE_END = re.compile(r"[.!?]\s|\n")     # one token past the mark: "3.5 million" goes on
+# Where a later token of a target ("oria" of " El|oria") must stay silent: after the same first tokens begun as
+# another name, in the relation's statement about real entities (and its chat answer) under this relation and
+# others that name a person, place or word, and in plain name slots (primed_negatives; the insert holds them as
+# hard as its other negatives at a layer that tells them all apart, elsewhere as yielding ones). Without them,
+# such a key had never seen " El" begin anything else and fired after every " El" in a name's place: two facts
+# together, "The current mayor of Greece is El|ena Kara." became "El|oria K|esette." (each fact's second-token
+# key).
+PRIMED_RELATIONS = ("mayor", "founder", "language", "river", "leader", "capital")
+PRIMED_RELATION_COUNT = 3       # besides the fact's own
+PRIMED_NAME_SLOTS = ("Her name is", "The book was written by the poet", "The river is called the",
+                     "The village is known as", "In that country people speak")
 FRAMED_DECOYS = 12      # decoy entities asked about in one of the relation's own frames (relation_frames)
 CONTINUED_DECOYS = 16    # decoy sentences (every second of the first ones) whose greedy continuation is a negative too
 
@@ -268,6 +279,23 @@ class Contexts(Capturing):
             asked += [{"role": "user", "content": fill(q, r, other)},
                       {"role": "assistant", "content": self.own_answer(r, other)}]
         out.append(tuple(self.conversation_ids(None, asked, "Thanks!")))
+        return out
+
+    def primed_negatives(self, fact: Fact, prefix: Sequence[int]) -> list[tuple[int, ...]]:
+        """Contexts ending in the target's first tokens `prefix` begun as another entity's answer or another name
+        (PRIMED_*): where the key of the token after them must stay silent."""
+        r, own = fact.relation_words, fact.entity.strip().lower()
+        relations = [r] + [rel for rel in PRIMED_RELATIONS if rel != r.lower()][:PRIMED_RELATION_COUNT]
+        entities = [e for e in CONVERSATION_NEIGHBOURS if e.lower() != own]
+        tail = tuple(prefix)
+        out = []
+        for k, relation in enumerate(relations):
+            statement = fill(SAME_RELATION_FORMS[0], relation, entities[k % len(entities)])
+            out.append(tuple(self.encode(statement)) + tail)
+            if self.model.is_chat:
+                chat = chat_prompt_ids(self.model, fill(QUESTIONS[0], relation, entities[k % len(entities)]))
+                out.append(tuple(chat) + tuple(self.model.tokenizer.encode(statement, add_bos=False)) + tail)
+        out += [tuple(self.encode(slot)) + tail for slot in PRIMED_NAME_SLOTS]
         return out
 
     def own_answer_start(self, chat: list[int], relation: str) -> list[int]:
