@@ -251,7 +251,7 @@ def test_a_reply_naming_another_installed_facts_target_does_not_count_unless_its
     alone, rows = verdicts(())
     assert alone == [("together chat", True), ("together conversation", True)], rows
     replies = [r["output"] for r in rows if r["row"] in ("together chat", "together conversation")]
-    asked = " ".join([case.system] + [m["content"] for m in measure.dec.messages(case)])
+    asked = measure.dec.said(case)
     words = sorted({w.strip(".,!?;:'\"") for w in replies[0].split()})
     leaked = [w for w in words if w.isalpha() and w != "Paris" and all(contains_word(t, w) for t in replies)
               and not contains_word(asked, w)]

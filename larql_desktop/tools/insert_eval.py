@@ -200,9 +200,17 @@ class Decoder:
     def text(self, prompt: str, overlay: PatchOverlay, n: int = CONTINUATION_TOKENS) -> tuple[int, ...]:
         return tuple(self.greedy(self.model.tokenizer.encode(prompt), overlay, n))
 
+    @staticmethod
+    def chat_case(question: str) -> ConversationCase:
+        """The question as a new chat tab sends it (the template's default system prompt)."""
+        return ConversationCase("chat", (), question)
+
     def chat(self, question: str, overlay: PatchOverlay, n: int = CHAT_REPLY_TOKENS) -> tuple[int, ...]:
-        # The question as a new chat tab sends it (the template's default system prompt).
-        return self.conversation(ConversationCase("chat", (), question), overlay, n)
+        return self.conversation(self.chat_case(question), overlay, n)
+
+    def said(self, case: ConversationCase) -> str:
+        """Every word of the conversation before the reply: its system prompt, turns and question."""
+        return " ".join([case.system or ""] + [m["content"] for m in self.messages(case)])
 
     def messages(self, case: ConversationCase, ask: str | None = None) -> list[dict]:
         """The case's turns with its own (or another) question last; an assistant turn of None becomes the
@@ -318,8 +326,7 @@ class FactMeasure:
             if row in ("canonical", "paraphrases"):
                 ok = starts_with_word(text, f.target)
             elif row in ("chat", "conversation"):
-                case = prompt if isinstance(prompt, ConversationCase) else ConversationCase("chat", (), prompt)
-                asked = " ".join([case.system or ""] + [m["content"] for m in dec.messages(case)])
+                asked = dec.said(prompt if isinstance(prompt, ConversationCase) else dec.chat_case(prompt))
                 ok = contains_word(text, f.target) and not any(
                     contains_word(text, other) and not contains_word(asked, other) for other in others
                     if other.strip().lower() != f.target.strip().lower())

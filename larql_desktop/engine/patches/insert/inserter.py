@@ -143,7 +143,8 @@ class Inserter(Contexts, Values):
         # Where an earlier fact's key may reach this one's questions: asked as typed, fresh in a chat and in a
         # conversation (an earlier key at a layer this fact did not key wrote there beside it: issue 33's test of
         # two facts under one relation).
-        asked = sorted(set(range(required)) | set(self.question_starts(fact, positives)) | set(conversation_starts))
+        question_starts = self.question_starts(fact, positives)
+        asked = sorted(set(range(required)) | set(question_starts) | set(conversation_starts))
         negatives = self.base_negative_contexts(fact)
         written = self.written_contexts(self.earlier_facts(fact, current))
         report("Capturing the contexts it must leave alone", 0.05)
@@ -169,7 +170,7 @@ class Inserter(Contexts, Values):
         # At a reply's start the model begins the word without its space ("G|ild|mere" where the target's tokens
         # are " G|ild|mere"): the later tokens' keys must fire after that first token too, in every reply start.
         bare = self.bare_first_token(targets[0])
-        reply_starts = sorted(set(self.question_starts(fact, positives)) | set(conversation_starts))
+        reply_starts = sorted(set(question_starts) | set(conversation_starts))
         features: list[InstalledFeature] = []
         ops: list[PatchOperation] = []
         overlay = current
