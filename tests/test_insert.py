@@ -215,6 +215,9 @@ def test_insert_eval_on_one_fact(smollm2, tmp_path):
     assert s["together canonical"].passed == 1 and s["together conversation"].total == 2
     # The one fact's patch removed: every prompt of it is the unpatched model's again, bit for bit.
     assert s["removed: back to base"].passed == s["removed: back to base"].total == 1 + 4 + 2 + 2 + 1
+    # Installed alone, what it gave just before its insert is the unpatched model's output too.
+    before = s["removed: as before its insert"]
+    assert before.passed == before.total == 1 + 4 + 2 + 2 + 1
     assert len(report.insert_seconds) == 2
     lines = format_report(report)
     assert any(line.startswith("canonical") and "1/1" in line for line in lines)

@@ -256,7 +256,7 @@ class Score:
 
 FACT_ROWS = ("canonical", "paraphrases", "chat", "conversation", "conversation keep", "neighbours")
 ROWS = (FACT_ROWS + ("controls",) + tuple(f"together {r}" for r in FACT_ROWS)
-        + ("together controls", "removed: back to base", "removed: others kept"))
+        + ("together controls", "removed: back to base", "removed: as before its insert", "removed: others kept"))
 
 
 @dataclass
@@ -390,7 +390,12 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
         return rows
 
     engine_together = engine_factory()
+    gone = len(facts) // 2          # the fact whose patch is removed after the together pass
+    before_insert: list[tuple[int, ...]] = []    # its prompts' outputs just before it was installed
     for i, f in enumerate(facts):
+        if not alone_only and i == gone:
+            before_insert = [run(engine_together.patches) for row, _, _, run
+                             in measure.outputs(f, engine_together.patches) if row != "neighbours"]
         if together is None:
             engine = engine_factory()
             result, seconds = install(engine, f)
@@ -417,22 +422,25 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
                                "prompts": prompts})
     report.details.append({"pass": "together", "entity": "", "prompts": measure_controls(overlay, "together ")})
     log(f"together: {len(facts)} fact(s) measured")
-    # One fact's patch removed (the middle one): its prompts are the unpatched model's again, unless another
-    # fact's features fire on them (then they are what the others alone give), and the others' do not move.
+    # One fact's patch removed (the middle one): its prompts are the unpatched model's again ("back to base"),
+    # unless an earlier fact's key fires on them; they are what they were just before the fact was installed
+    # ("as before its insert": an earlier key that fired there before fires there again, a later key must not);
+    # and the others' do not move.
     if len(facts) >= 1:
-        gone = len(facts) // 2
         patch = overlay.patches[gone]
         engine_together.remove_patch(patch.id)
         rest = engine_together.patches
         removed_rows = []
-        for row, prompt, key, run in measure.outputs(facts[gone], rest):
-            if row == "neighbours":
-                continue
+        own = [(prompt, key, run) for row, prompt, key, run in measure.outputs(facts[gone], rest)
+               if row != "neighbours"]
+        for (prompt, key, run), before in zip(own, before_insert):
             tokens = run(rest)
-            ok = tokens == measure.clean(key, run)
-            s["removed: back to base"].add(ok)
-            removed_rows.append({"row": "removed: back to base", **measure.describe(prompt), "ok": ok,
-                                 "output": dec.decode(tokens)})
+            for name, expected in (("removed: back to base", measure.clean(key, run)),
+                                   ("removed: as before its insert", before)):
+                ok = tokens == expected
+                s[name].add(ok)
+                removed_rows.append({"row": name, **measure.describe(prompt), "ok": ok,
+                                     "output": dec.decode(tokens)})
         for j, f in enumerate(facts):
             if j == gone:
                 continue
