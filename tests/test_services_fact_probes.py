@@ -9,6 +9,7 @@ from larql_desktop.engine import services
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.session import ChatSession
+from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import QUESTIONS, Fact, fill, generated_phrasings
 from larql_desktop.engine.model.overlay import PatchOverlay
@@ -63,8 +64,13 @@ def test_a_chat_model_is_probed_on_generated_phrasings_and_the_chat_tabs_first_t
     earlier = fill(QUESTIONS[0], FACT.relation_words, services.PROBE_CONVERSATION_ENTITY)
     assert asked == QUESTION and earlier in conversation_text and conversation_text.endswith(
         f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
-    own = engine.inserter().own_answer(FACT.relation_words, services.PROBE_CONVERSATION_ENTITY)
-    assert own.startswith(f"The capital of {services.PROBE_CONVERSATION_ENTITY} is") and own in conversation_text
+    # The earlier answer is the one a chat shows: the unpatched model's reply to that question in a new chat, its
+    # first sentence.
+    chat = ChatSession(smollm2, ffn=engine.inserter().ffn(PatchOverlay()))
+    list(chat.reply(earlier, SamplingSettings(max_tokens=32)))
+    shown = chat.messages[-1]["content"].strip()
+    own = engine.inserter().own_chat_reply(earlier)
+    assert own and shown.startswith(own) and own in conversation_text
     assert conversation_ids == smollm2.encode_prompt(session.conversation([
         {"role": "user", "content": earlier}, {"role": "assistant", "content": own},
         {"role": "user", "content": QUESTION}]))

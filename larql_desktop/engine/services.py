@@ -133,7 +133,7 @@ def fact_prompts(engine: LarqlEngine, fact: Fact, paraphrases: Sequence[str] = (
     paraphrases (else a spread of the generated phrasings) and one question: through the chat template with the
     template's default system prompt, as a new chat tab sends it, or as a "Q: ... A:" prompt for a base model;
     for a chat model also the same question after an earlier turn about a real entity under the same relation
-    (PROBE_CONVERSATION_ENTITY, its answer the unpatched model's own)."""
+    (PROBE_CONVERSATION_ENTITY, answered with the unpatched model's own chat reply)."""
     model = engine.model
     encode = model.tokenizer.encode
     question = fill(QUESTIONS[0], fact.relation_words, fact.entity.strip())
@@ -154,10 +154,13 @@ def fact_prompts(engine: LarqlEngine, fact: Fact, paraphrases: Sequence[str] = (
         out.append(("chat", question, model.render_prompt(conversation(model, [{"role": "user",
                                                                                  "content": question}])),
                     chat_prompt_ids(model, question)))
+        # The earlier turn as a chat holds it: the unpatched model's own reply to that question, which need not
+        # restate it ("El Pilar de la Estrella ..." to "What is the mayor of Spain?"). A reply in the canonical
+        # statement's form ("The mayor of Spain is ...") made the row say "yes" where the chat did not.
+        earlier = fill(QUESTIONS[0], fact.relation_words, PROBE_CONVERSATION_ENTITY)
         messages = conversation(model, [
-            {"role": "user", "content": fill(QUESTIONS[0], fact.relation_words, PROBE_CONVERSATION_ENTITY)},
-            {"role": "assistant", "content": engine.inserter().own_answer(fact.relation_words,
-                                                                          PROBE_CONVERSATION_ENTITY)},
+            {"role": "user", "content": earlier},
+            {"role": "assistant", "content": engine.inserter().own_chat_reply(earlier)},
             {"role": "user", "content": question}])
         out.append(("conversation", question, model.render_prompt(messages), model.encode_prompt(messages)))
     elif qa not in {text for _, text in rows}:

@@ -98,6 +98,7 @@ SAME_RELATION_FORMS = ("The {r} of {e} is", "{e}'s {r} is", "In {e}, the {r} is"
                        "Q: What is the {r} of {e}?\nA: The {r} of {e} is")
 EARLIER_FACTS_PER_CONVERSATION = 6    # earlier facts' questions per negative conversation (earlier_fact_conversations)
 OWN_ANSWER_TOKENS = 12   # of the model's own reply searched for where it would name the answer
+OWN_REPLY_TOKENS = 32    # of the model's own chat reply given as an earlier assistant turn (its first sentence)
 COPULA = re.compile(r"\b(is|are|was|were)$")
 SENTENCE_END = re.compile(r"[.!?]\s|\n")     # one token past the mark: "3.5 million" goes on
 # Where a later token of a target ("oria" of " El|oria") must stay silent: after the same first tokens begun as
@@ -194,6 +195,18 @@ class Contexts(Capturing):
         cut = text.find(". ")
         text = text[:cut + 1] if cut >= 0 else text
         return f"{start} {text}".rstrip() + ("" if text.endswith(".") else ".")
+
+    def own_chat_reply(self, question: str) -> str:
+        """The model's own reply to `question` asked fresh in a chat, its first sentence: the earlier assistant
+        turn a user's conversation holds. It need not restate the question ("El Pilar de la Estrella ..." to
+        "What is the mayor of Spain?"), and the next reply tends to copy how it begins."""
+        tok = self.model.tokenizer
+        chat = chat_prompt_ids(self.model, question)
+        tokens = self.remembered_greedy(self._own_replies, ("reply", tuple(chat)), chat, OWN_REPLY_TOKENS,
+                                        lambda out: bool(SENTENCE_END.search(tok.decode(out))))
+        text = tok.decode(tokens).strip().split("\n")[0]
+        cut = text.find(". ")
+        return (text[:cut + 1] if cut >= 0 else text).strip() or "I see."
 
     def conversation_histories(self, fact: Fact) -> list[tuple[str | None, list[dict]]]:
         """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): an
