@@ -222,3 +222,29 @@ def test_a_later_tokens_key_stays_silent_where_its_first_token_begins_another_na
         if after != before:
             moved.append((engine.model.tokenizer.decode(primed[-8:]), before, after))
     assert not moved, moved
+
+
+def test_another_entitys_reply_under_the_relation_is_left_alone_past_its_answer(smollm2):
+    """The model's own reply to the relation's question about invented names: past the words where it names its
+    answer, every position is a slot of another entity's reply where the key must stay silent (facts under one
+    relation wrote their targets into each other's replies: "... the current Mayor of Kelmere, England. She is
+    the Alina ..."). No inserted feature takes its slot there. (This fact's keys, solved without those
+    negatives, took 2 and 4 of those positions.)"""
+    from larql_desktop.engine.loading import chat_prompt_ids
+    from larql_desktop.engine.patches.insert.phrasings import (COPULA, INVENTED_ENTITIES, INVENTED_REPLIES,
+                                                               REPLY_ANSWER_TOKENS)
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    fact = Fact("Cormere", "river-of", "Isona")
+    engine.insert(fact)
+    ins = engine.inserter()
+    tokenizer = engine.model.tokenizer
+    contexts = ins.invented_reply_contexts(fact)
+    assert len(contexts) == INVENTED_REPLIES
+    for name, (ids, first) in zip(INVENTED_ENTITIES, contexts):
+        question = tuple(chat_prompt_ids(engine.model, f"What is the river of {name}?"))
+        assert ids[:len(question)] == question and len(question) < first < len(ids)
+        # The reply's answer (up to its copula and a few words on) is not among them.
+        assert COPULA.search(tokenizer.decode(list(ids[len(question):first - REPLY_ANSWER_TOKENS])))
+        fired = run_reply_pass(engine, list(ids), range(first, len(ids))).fired
+        assert not fired.any(), tokenizer.decode(list(ids[first:]))

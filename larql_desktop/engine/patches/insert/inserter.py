@@ -155,6 +155,9 @@ class Inserter(Contexts, Values):
         for ids in negatives:
             stop.check()
             negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
+        for ids, first in self.invented_reply_contexts(fact):      # hard negatives only past the reply's answer
+            stop.check()
+            negative_inputs.append([x if x is None else x[first:] for x in self.base_inputs(ids, min(candidates))])
         invented_inputs = []
         for ids in self.invented_negative_contexts(fact):
             stop.check()

@@ -45,6 +45,9 @@ DECOY_ENTITIES = ("France", "Japan", "Germany", "Brazil", "Egypt", "India", "Can
 # (their language, their sport, ...), in whatever relation they asked; alone, four facts' keys fired on 58 of
 # 160 questions about other invented names.
 INVENTED_ENTITIES = ("Grivanne", "Ostrelle", "Cadmirow", "Blenvik", "Suvarin", "Pradelow")
+INVENTED_REPLIES = 2          # invented names whose chat reply is a negative past its answer
+INVENTED_REPLY_TOKENS = 40    # of the model's own reply to each
+REPLY_ANSWER_TOKENS = 4       # a reply's tokens after the copula that introduces its answer: not among them
 # The same entity under other relations (and plain statements about it) must not change either.
 OTHER_RELATIONS = ("population", "history", "weather", "size", "economy", "flag", "name", "people", "age",
                    "location", "capital", "currency", "language", "mayor", "founder", "river", "leader")
@@ -327,8 +330,10 @@ class Contexts(Capturing):
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
         """Every context the fact's features must stay silent on: `base_negative_contexts`,
-        `invented_negative_contexts`, then `written_contexts` of the facts installed in `current`."""
+        `invented_negative_contexts`, `invented_reply_contexts`, then `written_contexts` of the facts installed in
+        `current`."""
         return (self.base_negative_contexts(fact) + self.invented_negative_contexts(fact)
+                + [ids for ids, _ in self.invented_reply_contexts(fact)]
                 + self.written_contexts(self.earlier_facts(fact, current)))
 
     def base_negative_contexts(self, fact: Fact) -> list[tuple[int, ...]]:
@@ -386,6 +391,30 @@ class Contexts(Capturing):
             same = [fill(QUESTIONS[i % len(QUESTIONS)], r, name) for i, name in enumerate(names)]
             other = [fill(QUESTIONS[i % 2], others[(i * 3) % len(others)], name) for i, name in enumerate(names)]
             out += [self.asked_in_turns(same), self.asked_in_turns(other)]
+        return out
+
+    def invented_reply_contexts(self, fact: Fact) -> list[tuple[tuple[int, ...], int]]:
+        """(context, first negative position) of the fact's chat question asked about invented names (the first
+        INVENTED_REPLIES but its own) with the model's own reply: past the words where it names its answer (up
+        to the copula and REPLY_ANSWER_TOKENS on: the question's place, yielding as `invented_negative_contexts`
+        are), every position is a slot in another entity's reply that a key must leave alone. There the keys of
+        facts under one relation wrote over each other's replies: "Junoria M. Kelmere is the current Mayor of
+        Kelmere, England. She is the Alina ..." (50 facts together: 13 of the 20 chat replies lost named another
+        fact's target). Chat models only ([] otherwise)."""
+        if not self.model.is_chat:
+            return []
+        r, own = fact.relation_words, fact.entity.strip().lower()
+        tok = self.model.tokenizer
+        out = []
+        for name in [name for name in INVENTED_ENTITIES if name.lower() != own][:INVENTED_REPLIES]:
+            chat = chat_prompt_ids(self.model, fill(QUESTIONS[0], r, name))
+            reply = self.remembered_greedy(self._own_replies, ("invented reply", tuple(chat)), chat,
+                                           INVENTED_REPLY_TOKENS)
+            # Its answer: up to the copula that introduces it ("The mayor of Grivanne is") and a few words on.
+            said = next((n for n in range(1, len(reply) + 1) if COPULA.search(tok.decode(reply[:n]))), 0)
+            first = said + REPLY_ANSWER_TOKENS
+            if len(reply) > first:
+                out.append((tuple(chat + reply), len(chat) + first))
         return out
 
     def asked_in_turns(self, questions: Sequence[str]) -> tuple[int, ...]:
