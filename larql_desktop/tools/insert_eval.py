@@ -313,6 +313,10 @@ class FactMeasure:
             rows.append(("neighbours", p, ("text", p, CONTINUATION_TOKENS), lambda o, p=p: dec.text(p, o)))
         return rows
 
+    def restored_outputs(self, f: EvalFact, overlay: PatchOverlay) -> list[tuple[str, str, tuple, Callable]]:
+        """`outputs` of the prompts a removal of f's patch must restore: all but its neighbours'."""
+        return [output for output in self.outputs(f, overlay) if output[0] != "neighbours"]
+
     def measure(self, f: EvalFact, overlay: PatchOverlay, scores: dict, prefix: str = "",
                 others: Sequence[str] = ()) -> list[dict]:
         """Every row of `f` under `overlay`, counted in `scores` under `prefix` + row; a chat or conversation reply
@@ -394,8 +398,8 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
     before_insert: list[tuple[int, ...]] = []    # its prompts' outputs just before it was installed
     for i, f in enumerate(facts):
         if not alone_only and i == gone:
-            before_insert = [run(engine_together.patches) for row, _, _, run
-                             in measure.outputs(f, engine_together.patches) if row != "neighbours"]
+            before_insert = [run(engine_together.patches) for _, _, _, run
+                             in measure.restored_outputs(f, engine_together.patches)]
         if together is None:
             engine = engine_factory()
             result, seconds = install(engine, f)
@@ -431,9 +435,7 @@ def run_insert_eval(engine_factory: Callable[[], LarqlEngine], facts: list[EvalF
         engine_together.remove_patch(patch.id)
         rest = engine_together.patches
         removed_rows = []
-        own = [(prompt, key, run) for row, prompt, key, run in measure.outputs(facts[gone], rest)
-               if row != "neighbours"]
-        for (prompt, key, run), before in zip(own, before_insert):
+        for (_, prompt, key, run), before in zip(measure.restored_outputs(facts[gone], rest), before_insert):
             tokens = run(rest)
             for name, expected in (("removed: back to base", measure.clean(key, run)),
                                    ("removed: as before its insert", before)):

@@ -161,6 +161,17 @@ def generated_phrasings(fact: Fact) -> list[str]:
     return [fill(t, fact.relation_words, fact.entity.strip()) for t in templates]
 
 
+def first_sentence(text: str) -> str:
+    """`text` up to its first ". " (the full stop kept), or whole."""
+    cut = text.find(". ")
+    return text[:cut + 1] if cut >= 0 else text
+
+
+def copula_end(tokenizer, tokens: Sequence[int]) -> int:
+    """How many of `tokens` run up to the first copula ("The mayor of Grivanne is"); 0 when none does."""
+    return next((n for n in range(1, len(tokens) + 1) if COPULA.search(tokenizer.decode(tokens[:n]))), 0)
+
+
 class Contexts(Capturing):
     """The token contexts of a fact: the positives (where the next token must be the target's) and the negatives
     (every position must leave the model alone), built from the phrasings above and the model's own answers."""
@@ -194,9 +205,7 @@ class Contexts(Capturing):
         tokens = self.remembered_greedy(self._own_answers, start, self.encode(start), CONTINUATION_TOKENS,
                                         lambda out: bool(SENTENCE_END.search(tok.decode(out))))
         words = tok.decode(tokens).strip().split("\n")[0].split()[:OWN_ANSWER_WORDS]
-        text = " ".join(words)
-        cut = text.find(". ")
-        text = text[:cut + 1] if cut >= 0 else text
+        text = first_sentence(" ".join(words))
         return f"{start} {text}".rstrip() + ("" if text.endswith(".") else ".")
 
     def own_chat_reply(self, question: str) -> str:
@@ -207,9 +216,7 @@ class Contexts(Capturing):
         chat = chat_prompt_ids(self.model, question)
         tokens = self.remembered_greedy(self._own_replies, ("reply", tuple(chat)), chat, OWN_REPLY_TOKENS,
                                         lambda out: bool(SENTENCE_END.search(tok.decode(out))))
-        text = tok.decode(tokens).strip().split("\n")[0]
-        cut = text.find(". ")
-        return (text[:cut + 1] if cut >= 0 else text).strip() or "I see."
+        return first_sentence(tok.decode(tokens).strip().split("\n")[0]).strip() or "I see."
 
     def conversation_histories(self, fact: Fact) -> list[tuple[str | None, list[dict]]]:
         """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): an
@@ -322,11 +329,8 @@ class Contexts(Capturing):
         # Nothing after the copula is read: the generation stops there.
         reply = self.remembered_greedy(self._own_replies, tuple(chat), chat, OWN_ANSWER_TOKENS,
                                        lambda out: bool(COPULA.search(tok.decode(out))))
-        for n in range(1, len(reply) + 1):
-            text = tok.decode(reply[:n])
-            if COPULA.search(text):
-                return reply[:n] if relation.lower() in text.lower() else []
-        return []
+        said = copula_end(tok, reply)
+        return reply[:said] if said and relation.lower() in tok.decode(reply[:said]).lower() else []
 
     def negative_contexts(self, fact: Fact, current: PatchOverlay) -> list[tuple[int, ...]]:
         """Every context the fact's features must stay silent on: `base_negative_contexts`,
@@ -404,15 +408,13 @@ class Contexts(Capturing):
         if not self.model.is_chat:
             return []
         r, own = fact.relation_words, fact.entity.strip().lower()
-        tok = self.model.tokenizer
         out = []
         for name in [name for name in INVENTED_ENTITIES if name.lower() != own][:INVENTED_REPLIES]:
             chat = chat_prompt_ids(self.model, fill(QUESTIONS[0], r, name))
             reply = self.remembered_greedy(self._own_replies, ("invented reply", tuple(chat)), chat,
                                            INVENTED_REPLY_TOKENS)
             # Its answer: up to the copula that introduces it ("The mayor of Grivanne is") and a few words on.
-            said = next((n for n in range(1, len(reply) + 1) if COPULA.search(tok.decode(reply[:n]))), 0)
-            first = said + REPLY_ANSWER_TOKENS
+            first = copula_end(self.model.tokenizer, reply) + REPLY_ANSWER_TOKENS
             if len(reply) > first:
                 out.append((tuple(chat + reply), len(chat) + first))
         return out
