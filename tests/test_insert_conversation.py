@@ -248,3 +248,33 @@ def test_another_entitys_reply_under_the_relation_is_left_alone_past_its_answer(
         assert COPULA.search(tokenizer.decode(list(ids[len(question):first - REPLY_ANSWER_TOKENS])))
         fired = run_reply_pass(engine, list(ids), range(first, len(ids))).fired
         assert not fired.any(), tokenizer.decode(list(ids[first:]))
+
+
+def test_a_fact_keyed_against_a_similar_earlier_name_leaves_other_questions_in_chats_alone(smollm2):
+    """Two facts under one relation whose names read alike: the later key is solved with the earlier fact's
+    question as a hard negative it must be boosted against. Boosted too far, its direction was those few rows
+    alone, and it wrote its target's first token at the start of replies to other relations' questions about a
+    real country (after a system prompt, or after an earlier turn under that relation). Each fact answers its
+    own prompt; the other questions keep their replies. (What this pair still gets wrong: one of the two chat
+    questions is answered with the other name; the closing note of issue 33 gives it.)"""
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    earlier, later = Fact("Quarford", "sport-of", "Mabmund"), Fact("Quarston", "sport-of", "Tamira")
+    engine.insert(earlier)
+    engine.insert(later)
+    ins = engine.inserter()
+    for fact in (earlier, later):
+        said = engine.model.tokenizer.decode(ins.greedy(ins.encode(fact.canonical_prompt), engine.patches, 4))
+        assert starts_with_word(said, fact.target), (fact, said)
+    system = {"role": "system", "content": "You are a geography teacher. Answer briefly."}
+    spain = [{"role": "user", "content": "What is the founder of Spain?"}]
+    spain.append({"role": "assistant", "content": reply(engine, spain, PatchOverlay())[0].strip()})
+    cases = [[system, {"role": "user", "content": f"What is the {relation} of Greece?"}]
+             for relation in ("founder", "author", "anthem")]
+    cases.append(spain + [{"role": "user", "content": "What is the founder of Greece?"}])
+    moved = []
+    for messages in cases:
+        after, tokens = reply(engine, messages, engine.patches)
+        before, base_tokens = reply(engine, messages, PatchOverlay())
+        if tokens != base_tokens:
+            moved.append((messages[-1]["content"], before, after))
+    assert not moved, moved

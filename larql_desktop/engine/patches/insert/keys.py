@@ -18,11 +18,15 @@ MAX_LAYERS_PER_TOKEN = 3
 YIELD_SHARE = 0.25      # of the gap between the negatives' top and the positives' bottom that yielding ones may take
 # A solve whose margin is below BOOST_TARGET is solved again (up to BOOST_ROUNDS in all) with the hard negatives
 # near or above the positives' low end (within BOOST_BAND of the way down to the negatives' median) weighing BOOST
-# times more each round; the best margin of the rounds is kept.
+# times more each round; the best margin of the rounds is kept. At most BOOST ** 5 (243) times more: at 8 a round
+# (32,768 times) those few rows were the discriminant, whose direction then scored high where no negative had
+# been (SmolLM2, "The sport of Quarston" after "of Quarford": its key wrote " Tam" at the start of replies to
+# other relations' questions about a real country after a system prompt or an earlier turn, 7 of 30, and took
+# Quarford's own chat and conversation replies; at 3, none, and both facts answer).
 BOOST_ROUNDS = 6
 BOOST_TARGET = 0.2
 BOOST_BAND = 0.1
-BOOST = 8.0
+BOOST = 3.0
 WIN_HEADROOM = 1.25     # strength_to_win: how far a fact's own key outscores another's on its positions
 MAX_STRENGTH = 16.0
 STEEPNESS = 10.0        # of a feature pair's step (step_pair): full write from 0.1 of the median positive's score
