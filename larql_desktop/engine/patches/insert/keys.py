@@ -21,8 +21,8 @@ YIELD_SHARE = 0.25      # of the gap between the negatives' top and the positive
 # times more each round; the best margin of the rounds is kept. At most BOOST ** 5 (243) times more: at 8 a round
 # (32,768 times) those few rows were the discriminant, whose direction then scored high where no negative had
 # been (SmolLM2, "The sport of Quarston" after "of Quarford": its key wrote " Tam" at the start of replies to
-# other relations' questions about a real country after a system prompt or an earlier turn, 7 of 30, and took
-# Quarford's own chat and conversation replies; at 3, none, and both facts answer).
+# other relations' questions about a real country after a system prompt or an earlier turn, 7 of 30; at 3, none,
+# and both facts still answer their own prompts).
 BOOST_ROUNDS = 6
 BOOST_TARGET = 0.2
 BOOST_BAND = 0.1
