@@ -367,11 +367,12 @@ def test_relation_frames_join_the_generated_phrasings():
 
 def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smollm2, monkeypatch):
     """The negatives' FFN inputs under the base weights, from the lowest layer an insert keys on, are what a
-    whole pass computes there, kept between inserts within a byte bound (the least recently used forgotten
-    first); and the earlier facts' statements come in the same contexts whichever fact is inserted next, so a
+    whole pass computes there (in half precision), kept between inserts within a byte bound (the least recently
+    used forgotten first); and the earlier facts' statements come in the same contexts whichever fact is inserted next, so a
     later insert finds them remembered."""
     from larql_desktop.engine.model.overlay import Patch, PatchOperation, PatchOverlay
     from larql_desktop.engine.patches.insert import capture
+    from larql_desktop.engine.patches.insert.capture import REMEMBERED_DTYPE
     from larql_desktop.engine.patches.insert.phrasings import NEGATIVES_PER_CONTEXT
 
     ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
@@ -383,10 +384,11 @@ def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smol
     late = ins.base_inputs(ids[0], low)
     assert all(x is None for x in late[:low])
     for i in range(low, n_layers):
-        np.testing.assert_array_equal(late[i], whole[i])
+        assert late[i].dtype == REMEMBERED_DTYPE != whole[i].dtype
+        np.testing.assert_array_equal(late[i], whole[i].astype(REMEMBERED_DTYPE))
     assert ins.base_inputs(ids[0], low + 3) is late              # remembered: its layers are among those kept
     earlier = ins.base_inputs(ids[0], low - 2)                   # an earlier layer than kept: captured again
-    np.testing.assert_array_equal(earlier[low - 2], whole[low - 2])
+    np.testing.assert_array_equal(earlier[low - 2], whole[low - 2].astype(REMEMBERED_DTYPE))
     second = ins.base_inputs(ids[1], low - 2)
     size = sum(x.nbytes for x in earlier + second if x is not None)
     monkeypatch.setattr(capture, "CAPTURE_MEMORY_BYTES", size)
@@ -408,13 +410,38 @@ def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smol
         assert chunks <= set(ins.negative_contexts(fact, current)), fact
 
 
+def test_the_inserters_memory_holds_the_negatives_of_ten_relations(smollm2):
+    """Nearly all of an insert's base negatives are its relation's (decoys, frames, conversations about real
+    entities, invented names), the same for every insert under it; the memory holds those of ten relations, so
+    facts that cycle through ten relations find theirs remembered (in single precision within 256 MB it held
+    two, and such a cycle captured every one anew)."""
+    from larql_desktop.engine.patches.insert import capture
+    from larql_desktop.engine.patches.insert.capture import Cancel
+    from larql_desktop.engine.patches.insert.keys import key_layers
+
+    ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    low = min(key_layers(smollm2.config.n_layers, ins.post_ffn_norm(0) is not None))
+
+    def negatives(fact: Fact) -> list[tuple[int, ...]]:
+        return (ins.base_negative_contexts(fact) + ins.invented_negative_contexts(fact)
+                + [ids for ids, _ in ins.invented_reply_contexts(fact)])
+    first, second = Fact("Brenmoor", "capital-of", "Kaskel"), Fact("Ostvania", "capital-of", "Tarlen")
+    ins.prefetch_greedy(lambda: (negatives(first), negatives(second)), Cancel(None))
+    size = {ids: sum(x.nbytes for x in ins.base_inputs(ids, low) if x is not None) for ids in negatives(first)}
+    shared = set(size) & set(negatives(second))
+    assert sum(size[ids] for ids in shared) >= 0.8 * sum(size.values())
+    assert 10 * sum(size.values()) <= capture.CAPTURE_MEMORY_BYTES
+    assert len(ins._remembered) == len(size)          # all of them kept
+
+
 def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(smollm2, monkeypatch):
     """Where an earlier fact writes its answer, the later layers read a residual the base model never makes; a
     later key solved against base captures there learns "an answer was written" and fires on every fact's
     question. So the negatives holding earlier facts' statements and answered questions are captured under the
-    overlay: resumed from the remembered base capture at the overlay's first layer, bit for bit a whole pass
-    under it, and an insert takes exactly those contexts so."""
+    overlay: resumed from the remembered base capture at the overlay's first layer, from there on bit for bit a
+    whole pass under it, and an insert takes exactly those contexts so."""
     from larql_desktop.engine.model.overlay import Patch, PatchOverlay
+    from larql_desktop.engine.patches.insert.capture import REMEMBERED_DTYPE
     from larql_desktop.engine.patches.insert import fisher_key, step_pair
 
     engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
@@ -444,10 +471,15 @@ def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(s
         base = ins.base_inputs(context, low)
         assert all(x is None for x in resumed[:low])
         for i in range(low, n_layers):
-            np.testing.assert_array_equal(resumed[i], whole[i])
+            # Remembered in half precision but the layer the pass resumes from, which the resumed layers read
+            # as the whole pass made it: from there on, the whole pass's own values.
+            kept = np.float32 if i >= layer else REMEMBERED_DTYPE
+            assert resumed[i].dtype == kept
+            np.testing.assert_array_equal(resumed[i], whole[i].astype(kept))
             if i <= layer:           # before the earlier fact's layer, the base model's own pass
-                np.testing.assert_array_equal(base[i], whole[i])
-        moved += any(not np.array_equal(base[i], whole[i]) for i in range(layer + 1, n_layers))
+                np.testing.assert_array_equal(base[i], whole[i].astype(kept))
+        moved += any(not np.array_equal(base[i], whole[i].astype(REMEMBERED_DTYPE))
+                     for i in range(layer + 1, n_layers))
     assert moved                     # the earlier fact wrote in its statements: the base captures miss that
 
     asked = []

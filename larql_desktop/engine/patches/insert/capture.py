@@ -20,10 +20,19 @@ from larql_desktop.engine.model.transformer import KvCache, zeroed_layer_pairs
 
 CONTINUATION_TOKENS = 10
 GREEDY_ROWS = 16         # base continuations decoded together in one batched decoder call (greedy_many)
-CONTINUATION_MEMORY = 256   # base continuations remembered by an Inserter (a few dozen tokens each)
-# The negatives' FFN inputs an Inserter remembers, least recently used forgotten first (base_inputs): one
-# insert's negatives are ~50 contexts of ~90 tokens, ~5 MB each over SmolLM2's 30 layers.
-CAPTURE_MEMORY_BYTES = 256 * 2 ** 20
+# Base continuations remembered by an Inserter (a few dozen token ids each): an insert under a relation not seen
+# before asks for ~40 new ones, so 256 held about six relations' and facts that cycled through ten relations
+# (insert-eval --together 50) found none of theirs.
+CONTINUATION_MEMORY = 1024
+# The negatives' FFN inputs an Inserter remembers, least recently used forgotten first (base_inputs), in half
+# precision (REMEMBERED_DTYPE): one insert's negatives are ~45 contexts, ~3,500 tokens, ~60 MB over SmolLM2's key
+# layers, nearly all of them shared by every insert under the same relation. The bound holds about twelve
+# relations' worth; at 256 MB of single precision (two relations) every insert of facts cycling through ten
+# relations captured its negatives anew.
+CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
+# The Fisher solve works in float64 from rows this precise to ~3 decimal digits; the gate scores of `free_slots`
+# and the resumed passes (written_inputs) read single precision, which the residual kept for them stays in.
+REMEMBERED_DTYPE = np.float16
 FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this
 
 
@@ -68,8 +77,9 @@ class Captured(NamedTuple):
 
 
 class RememberedInputs(NamedTuple):
-    """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them, and for the contexts
-    `Capturing.written_inputs` resumes, the residual after attention at the layer it resumes from."""
+    """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them (REMEMBERED_DTYPE), and for
+    the contexts `Capturing.written_inputs` resumes, the residual after attention at the layer it resumes from
+    (that layer's inputs in single precision too)."""
     from_layer: int
     inputs: list
     nbytes: int
@@ -296,7 +306,9 @@ class Capturing:
             return known
         # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
         captured = self.capture(key, PatchOverlay())
-        inputs = [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        # The layer a pass resumes from stays single precision: the resumed layers read it as the pass made it.
+        inputs = [None if i < from_layer else x if i == residual_at else x.astype(REMEMBERED_DTYPE)
+                  for i, x in enumerate(captured.inputs)]
         residual = None if residual_at is None else (residual_at, captured.residuals[residual_at])
         if known is not None:
             del self._remembered[key]
