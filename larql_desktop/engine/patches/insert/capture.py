@@ -30,8 +30,10 @@ CONTINUATION_MEMORY = 1024
 # relations' worth; at 256 MB of single precision (two relations) every insert of facts cycling through ten
 # relations captured its negatives anew.
 CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
-# The Fisher solve works in float64 from rows this precise to ~3 decimal digits; the gate scores of `free_slots`
-# and the resumed passes (written_inputs) read single precision, which the residual kept for them stays in.
+# Rows precise to ~3 decimal digits (|x| up to ~31 measured on both models, far below half precision's 65,504):
+# the Fisher solve works in float64 from them and `free_slots` scores them in single precision. The layer a
+# `written_inputs` pass resumes from is kept in single precision, with its residual: the resumed layers read it as
+# the pass made it.
 REMEMBERED_DTYPE = np.float16
 FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this
 
