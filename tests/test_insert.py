@@ -368,8 +368,8 @@ def test_relation_frames_join_the_generated_phrasings():
 def test_the_negatives_base_inputs_are_remembered_least_recently_used_first(smollm2, monkeypatch):
     """The negatives' FFN inputs under the base weights, from the lowest layer an insert keys on, are what a
     whole pass computes there (in half precision), kept between inserts within a byte bound (the least recently
-    used forgotten first); and the earlier facts' statements come in the same contexts whichever fact is inserted next, so a
-    later insert finds them remembered."""
+    used forgotten first); and the earlier facts' statements come in the same contexts whichever fact is inserted
+    next, so a later insert finds them remembered."""
     from larql_desktop.engine.model.overlay import Patch, PatchOperation, PatchOverlay
     from larql_desktop.engine.patches.insert import capture
     from larql_desktop.engine.patches.insert.capture import REMEMBERED_DTYPE
@@ -422,9 +422,8 @@ def test_the_inserters_memory_holds_the_negatives_of_ten_relations(smollm2):
     ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
     low = min(key_layers(smollm2.config.n_layers, ins.post_ffn_norm(0) is not None))
 
-    def negatives(fact: Fact) -> list[tuple[int, ...]]:
-        return (ins.base_negative_contexts(fact) + ins.invented_negative_contexts(fact)
-                + [ids for ids, _ in ins.invented_reply_contexts(fact)])
+    def negatives(fact: Fact) -> list[tuple[int, ...]]:      # with no fact installed before: all base negatives
+        return ins.negative_contexts(fact, PatchOverlay())
     first, second = Fact("Brenmoor", "capital-of", "Kaskel"), Fact("Ostvania", "capital-of", "Tarlen")
     ins.prefetch_greedy(lambda: (negatives(first), negatives(second)), Cancel(None))
     size = {ids: sum(x.nbytes for x in ins.base_inputs(ids, low) if x is not None) for ids in negatives(first)}
