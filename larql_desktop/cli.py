@@ -28,6 +28,14 @@ def _load(args, quiet_progress: bool = False, preload: str = "none"):
     return load_model(args.model, paths, threads=args.threads, progress=progress, preload=preload)
 
 
+def _capture_store():
+    """INSERT's negatives' captures kept between runs, in the user cache directory."""
+    from larql_desktop.engine.paths import AppPaths
+    from larql_desktop.engine.patches.insert.capture_store import CaptureStore
+
+    return CaptureStore(AppPaths.from_environment().ensure().insert_captures)
+
+
 def cmd_chat(args) -> int:
     from larql_desktop.engine.model.generation import SamplingSettings
     from larql_desktop.engine.core import LarqlEngine
@@ -217,7 +225,7 @@ def cmd_insert(args) -> int:
 
     fact = Fact(args.entity, args.relation, args.target)
     model = _load(args, quiet_progress=True)
-    engine = LarqlEngine(model, walk=_walk_settings(args))
+    engine = LarqlEngine(model, walk=_walk_settings(args), capture_store=_capture_store())
     token = engine.inserter().target_token(fact.target)
     print(f"model {model.name}, FFN {'dense' if engine.walk_settings.dense else 'walk'}; "
           f"target token {model.tokenizer.decode([token])!r}")
@@ -261,14 +269,21 @@ def cmd_insert_eval(args) -> int:
             raise ValueError(f"--limit must be at least 1, not {args.limit}")
         facts = facts[:args.limit]
     model = _load(args, quiet_progress=True)
-    report = run_insert_eval(default_engine_factory(model, dense=args.ffn == "dense"), facts, controls,
+    store = None if args.no_capture_store else _capture_store()
+    engines = default_engine_factory(model, dense=args.ffn == "dense", capture_store=store)
+    report = run_insert_eval(engines, facts, controls,
                              use_paraphrases=args.use_paraphrases, together=args.together, alone_only=args.alone,
                              log=lambda line: print(line, file=sys.stderr, flush=True))
     for line in format_report(report):
         print(line)
+    if store is not None:       # whether the inserts' passes ran or were read (a relation met in an earlier run)
+        stats = store.stats()
+        print(f"capture store: {stats['hits']} read, {stats['misses']} computed ({stats['path']})")
     if args.json:
+        doc = report.to_dict()
+        doc["capture_store"] = store.stats() if store is not None else None
         with open(args.json, "w") as fh:
-            json.dump(report.to_dict(), fh, indent=1)
+            json.dump(doc, fh, indent=1)
     return 0
 
 
@@ -346,7 +361,7 @@ def cmd_serve(args) -> int:
     if args.prefix_cache_mb < 0 or args.prefill_chunk < 1 or args.batch_rows < 0:
         raise ValueError("--prefix-cache-mb and --batch-rows must be 0 (off) or more and --prefill-chunk at least 1")
     engine = LarqlEngine(model, walk=_walk_settings(args), l3=store, prefix_cache_bytes=args.prefix_cache_mb << 20,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, capture_store=_capture_store())
     # The first request per layer would otherwise build its sessions.
     model.ffn.load_sessions(kinds=("gate", "walk"))
     handle = start_server(engine, args.host, args.port, token, batch_rows=args.batch_rows, preload_batch=True)
@@ -532,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--alone", action="store_true", help="only install each fact alone (no together pass)")
     ev.add_argument("--no-generated-conversations", action="store_true",
                     help="only the file's own conversation cases, none generated from the relations")
+    ev.add_argument("--no-capture-store", action="store_true",
+                    help="do not read or keep the negatives' captures on disk (every insert's passes run cold, "
+                         "as on a first launch)")
     ev.set_defaults(func=cmd_insert_eval)
 
     patch = sub.add_parser("patch", help="validate or apply a patch file (or a patch set file)")

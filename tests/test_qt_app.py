@@ -300,6 +300,8 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
             seen["model"] = windows[0].client.model.key if windows[0].client.model else None
             seen["client"] = windows[0].client
             seen["l3"] = windows[0].client.worker.engine.l3 if windows[0].client.worker.engine else None
+            seen["captures"] = (windows[0].client.worker.engine.capture_store
+                                if windows[0].client.worker.engine else None)
             seen["banner"] = windows[0].error_banner.text
             windows[0].quit_action.trigger()   # Ctrl+Q's action
         else:
@@ -315,5 +317,9 @@ def test_run_app_loads_the_model_and_quits(qapp, app_paths):
     assert isinstance(store, SqliteL3) and store.settings.enabled and seen["banner"] == ""
     assert store.path == default_l3_path(app_paths) and store.path.is_relative_to(app_paths.cache)
     assert store.path.is_file() and store._conn is None
+    # INSERT's capture store too: in the user cache dir, given to the engine, closed on exit.
+    captures = seen["captures"]
+    assert captures is not None and captures.path == app_paths.insert_captures and captures.path.is_file()
+    assert not captures.enabled
     assert (app_paths.config / SETTINGS_FILE).is_file()
     assert "loaded" in (app_paths.log / LOG_FILE).read_text()

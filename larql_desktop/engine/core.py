@@ -24,6 +24,7 @@ from larql_desktop.engine.session import PREFILL_CHUNK, ChatSession
 from larql_desktop.engine.patches.summary import PatchSummary, patch_summaries
 from larql_desktop.engine.model.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefillSchedule, PrefixCache
 from larql_desktop.engine.patches.insert import Fact, Inserter, InsertResult, Progress
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore
 from larql_desktop.engine.model.overlay import (BaseFeatureWeights, Patch, PatchError, PatchOverlay, load_patches,
                                                 parse_patch, parse_patches, save_patch_set)
 
@@ -90,7 +91,7 @@ class LarqlEngine:
     def __init__(self, model: LoadedModel, walk: WalkSettings = WalkSettings(),
                  l1: TierSettings = TierSettings(), l2: TierSettings = TierSettings(), patches=None,
                  l3: L3Store | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, capture_store: CaptureStore | None = None):
         self.model = model
         n = model.config.n_layers
         walk.resolved(model.config.intermediate)      # refuse impossible settings up front
@@ -111,6 +112,7 @@ class LarqlEngine:
         self._versions = itertools.count(1)
         self._subscribers: list[Callable[[EngineEvent], None]] = []
         self._inserter: Inserter | None = None
+        self.capture_store = capture_store            # INSERT's negatives' captures on disk, between launches
         self._insert_lock = threading.Lock()
 
     # -- change events -------------------------------------------------------------------------------------
@@ -326,7 +328,7 @@ class LarqlEngine:
         settings = WalkSettings(top_k=w.top_k, dense=w.dense)
         with self._lock:
             if self._inserter is None or self._inserter.walk != settings:
-                self._inserter = Inserter(self.model, self.base_weights, settings)
+                self._inserter = Inserter(self.model, self.base_weights, settings, self.capture_store)
             return self._inserter
 
     def insert(self, fact: Fact, layer: int | None = None, alpha: float = 0.1,

@@ -45,5 +45,10 @@ class AppPaths:
         return self.data / "models"
 
     @property
+    def insert_captures(self) -> Path:
+        """INSERT's negatives' captures kept between launches (patches/insert/capture_store.py)."""
+        return self.cache / "insert" / "captures.sqlite3"
+
+    @property
     def onnx_dir(self) -> Path:
         return self.cache / "onnx"

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QApplication
 from larql_desktop.engine.cache.l3 import L3Store, open_l3
 from larql_desktop.engine.catalog import DEFAULT_MODEL
 from larql_desktop.engine.paths import AppPaths
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore
 from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.qt.main_window import MainWindow
 from larql_desktop.qt.qt_theme import app_icon
@@ -77,8 +78,9 @@ def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, t
     # each; at Python's default 5 ms switch interval a redraw in the GUI thread made it wait up to that long
     # each time. A shorter interval hands the GIL back sooner.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    client = EngineClient(paths, threads=threads, l3=l3, serve=serve,
-                          applied=applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR))
+    applied = applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR)
+    client = EngineClient(paths, threads=threads, l3=l3, serve=serve, applied=applied,
+                          capture_store=CaptureStore(paths.insert_captures))
     return client, MainWindow(client, settings, app)
 
 
@@ -112,6 +114,8 @@ def run_app(args, serve=None) -> int:
     finally:
         window.server.shutdown()   # closeEvent already did these two unless the loop ended another way
         client.shutdown()
+        if client.worker.capture_store is not None:
+            client.worker.capture_store.close()
         if l3 is not None:
             l3.close()          # after the engine thread has ended: nothing uses it any more
         sys.excepthook = previous_hook

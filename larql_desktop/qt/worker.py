@@ -42,6 +42,7 @@ from larql_desktop.engine.core import CacheSettings
 from larql_desktop.engine.core import PatchesChanged
 from larql_desktop.engine.patches.applied import AppliedPatchStore
 from larql_desktop.engine.patches import insert as inserting
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore
 from larql_desktop.engine.services import DEFAULT_API_HOST
 from larql_desktop.engine.model.generation import SamplingSettings
 from larql_desktop.qt.protocol import (ANSWERS, ClearCaches, CloseSession, OpenChat, SetSystemPrompt, ConfigureCache, EngineActivity, ErrorReport,
@@ -88,11 +89,14 @@ class EngineWorker(QObject):
     answer = Signal(object)              # any other answer: one of protocol.ANSWERS (the client routes it by type)
 
     def __init__(self, paths: AppPaths, loader: Callable[..., LoadedModel] = load_model, l3: L3Store | None = None,
-                 serve: Callable | None = None, applied: AppliedPatchStore | None = None):
+                 serve: Callable | None = None, applied: AppliedPatchStore | None = None,
+                 capture_store: CaptureStore | None = None):
         super().__init__()
         self._applied = applied                  # where each model's applied patches are kept between launches
         self._paths = paths
         self.l3 = l3
+        # INSERT's negatives' captures between launches, shared by every model's engine (namespaced by model).
+        self.capture_store = capture_store
         self._loader = loader
         self._serve = serve                      # serve(engine, host, port) -> handle with .url and .stop()
         self._server = None                      # the running server's handle
@@ -184,11 +188,11 @@ class EngineWorker(QObject):
         model = self._loader(request.name_or_path, self._paths, threads=request.threads, progress=progress,
                              preload="decoder" if c.walk.dense else "layers")
         try:
-            engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2, l3=self.l3)
+            engine = LarqlEngine(model, walk=c.walk, l1=c.l1, l2=c.l2, l3=self.l3, capture_store=self.capture_store)
         except ValueError:   # e.g. a K the previous model allowed but this one has not: start from defaults
             log.info("cache settings %s do not fit %s; using the defaults", c, model.name)
             self.cache_settings = replace(CacheSettings(), l3=c.l3)
-            engine = LarqlEngine(model, l3=self.l3)
+            engine = LarqlEngine(model, l3=self.l3, capture_store=self.capture_store)
         # Only a successful load replaces the old model; the sessions (and patches) belonged to the old one.
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -467,7 +471,7 @@ class EngineClient(QObject):
 
     def __init__(self, paths: AppPaths, threads: int = 2, loader: Callable[..., LoadedModel] = load_model,
                  parent: QObject | None = None, l3: L3Store | None = None, serve: Callable | None = None,
-                 applied: AppliedPatchStore | None = None):
+                 applied: AppliedPatchStore | None = None, capture_store: CaptureStore | None = None):
         super().__init__(parent)
         self.threads = threads
         self.paths = paths   # where the window keeps its saved chats
@@ -479,7 +483,7 @@ class EngineClient(QObject):
         self._thread.setObjectName("larql-engine")
         self.l3 = l3   # the persistent tier the worker attaches to every engine (closed by its opener)
         self.can_serve = serve is not None
-        self.worker = EngineWorker(paths, loader, l3, serve, applied)
+        self.worker = EngineWorker(paths, loader, l3, serve, applied, capture_store)
         self.worker.moveToThread(self._thread)
         self._submit.connect(self.worker.handle)
         self.worker.model_loaded.connect(self._on_model_loaded)

@@ -40,6 +40,7 @@ from larql_desktop.engine.formats.jsonfile import read_json
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.loading import conversation
 from larql_desktop.engine.patches.insert import Fact, fill
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore
 from larql_desktop.engine.model.overlay import PatchOverlay
 # What counts as answering: shared with the patch editor's probe table (services.fact_probes).
 from larql_desktop.engine.services import contains_word, starts_with_word
@@ -479,6 +480,9 @@ def format_report(report: EvalReport) -> list[str]:
     return lines
 
 
-def default_engine_factory(model: LoadedModel, dense: bool = True) -> Callable[[], LarqlEngine]:
+def default_engine_factory(model: LoadedModel, dense: bool = True, capture_store: CaptureStore | None = None
+                           ) -> Callable[[], LarqlEngine]:
+    """A new engine per call (`--alone`: nothing an earlier insert captured is remembered in memory); with
+    `capture_store`, the negatives' captures kept on disk are read, as the app reads them after a restart."""
     walk = WalkSettings(dense=dense)
-    return lambda: LarqlEngine(model, walk=walk)
+    return lambda: LarqlEngine(model, walk=walk, capture_store=capture_store)

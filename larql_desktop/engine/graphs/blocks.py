@@ -188,6 +188,10 @@ class OnnxBlocks:
         head_build = partial(build_head_graph, gguf, config)
         store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
         store.save()
+        # Names these very files' content, as OnnxFfn.numerics does the FFN's: what a pass computed with them is
+        # kept (INSERT's capture store) only for the same graphs.
+        names = [name for name, _ in layer_files + gated_files] + ["head.onnx"]
+        self.numerics: str | None = f"onnx-blocks-{BLOCK_EXPORT_FORMAT}-{store.digest(names)}"
         opts = partial(session_options, threads)
         self._layers = LazySessions(store, layer_files, opts)
         self._gated = LazySessions(store, gated_files, opts)
@@ -211,7 +215,7 @@ class OnnxBlocks:
                       head: ort.InferenceSession) -> "OnnxBlocks":
         """Blocks from sessions made elsewhere (tests: graphs built in memory for a modified config)."""
         self = cls.__new__(cls)
-        self.config, self.directory, self.rebuilt = config, None, []
+        self.config, self.directory, self.rebuilt, self.numerics = config, None, [], None
         self._layers, self._gated, self._heads = list(layers), None, [head]
         self._local = threading.local()
         self.zeros = ZeroRows(config.hidden)

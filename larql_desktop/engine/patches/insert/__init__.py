@@ -33,8 +33,8 @@ turns, a question bare and with its answer begun) run it once; the model's own a
 the contexts are made of are decoded together, in the batched decoder graph.
 
 The package by seam: `phrasings` (the fact's question in its many forms, the contexts it must leave alone),
-`capture` (forward passes and their captures), `keys` (where a feature fires), `values` (what it writes and how
-strongly), `inserter` (the steps of one insert).
+`capture` (forward passes and their captures), `capture_store` (the base passes kept on disk between launches),
+`keys` (where a feature fires), `values` (what it writes and how strongly), `inserter` (the steps of one insert).
 
 Everything is forward passes and linear algebra: no gradient descent over the model's weights.
 """

@@ -1,7 +1,8 @@
 """Running the model for INSERT: greedy continuations, and captures (per layer the normed FFN input and the
 residual after attention, with the KV cache) that are resumed from a changed layer or extended by more tokens
-instead of re-run whole; the negatives' captures, under the base weights, are remembered between inserts. And
-the cancel check every step of an insert makes."""
+instead of re-run whole; the negatives' captures, under the base weights, and the base model's continuations are
+remembered between inserts (and, given a CaptureStore, kept on disk between launches). And the cancel check every
+step of an insert makes."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +11,7 @@ from itertools import islice, takewhile
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+import onnxruntime as ort
 
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
@@ -17,6 +19,7 @@ from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.overlay import PatchOperation, PatchOverlay
 from larql_desktop.engine.model.transformer import KvCache, zeroed_layer_pairs
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore, StoredCapture
 
 CONTINUATION_TOKENS = 10
 GREEDY_ROWS = 16         # base continuations decoded together in one batched decoder call (greedy_many)
@@ -114,12 +117,19 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return p / p.sum()
 
 
+def _covers(known: "RememberedInputs | StoredCapture", from_layer: int, residual_at: int | None) -> bool:
+    """Whether a remembered capture holds the layers from `from_layer` on, and the residual a pass resumes from."""
+    return known.from_layer <= from_layer and (
+        residual_at is None or (known.residual is not None and known.residual[0] == residual_at))
+
+
 class Capturing:
     """Forward passes under an overlay (the FFN from `ffn`, which the Inserter builds)."""
     model: LoadedModel
     ffn: Callable[[PatchOverlay], WalkFfn]
     walk: WalkSettings
     _remembered: "OrderedDict[tuple[int, ...], RememberedInputs]"
+    capture_store: CaptureStore | None      # the negatives' captures kept on disk between launches, if given
     _continued: dict[str, list[int]]
     _deferred: list[GreedyRequest] | None
     _batched: list[OnnxBatchedDecoder | None]     # empty until made (batched_decoder)
@@ -166,12 +176,33 @@ class Capturing:
         returned in its place."""
         if key in memory:
             return memory[key]
+        stored = self._stored_greedy(memory, key, ids, n)
+        if stored is not None:
+            remember(memory, key, stored)
+            return stored
         if self._deferred is not None:
             self._deferred.append(GreedyRequest(memory, key, tuple(ids), n, enough))
             return []
         tokens = self.greedy(ids, PatchOverlay(), n, enough)
-        remember(memory, key, tokens)
+        self._remember_greedy(memory, key, ids, n, tokens)
         return tokens
+
+    def _greedy_kind(self, memory: dict, key, n: int) -> str:
+        """A continuation's kind in the capture store: which memory (what stops it), how many tokens, its key."""
+        name = next(name for name, value in vars(self).items() if value is memory)
+        return f"{name}\0{n}\0{key!r}"
+
+    def _stored_greedy(self, memory: dict, key, ids: Sequence[int], n: int) -> list[int] | None:
+        namespace = self.capture_namespace()
+        if self.capture_store is None or namespace is None:
+            return None
+        return self.capture_store.get_tokens(namespace, self._greedy_kind(memory, key, n), ids)
+
+    def _remember_greedy(self, memory: dict, key, ids: Sequence[int], n: int, tokens: list[int]) -> None:
+        remember(memory, key, tokens)
+        namespace = self.capture_namespace()
+        if self.capture_store is not None and namespace is not None:
+            self.capture_store.put_tokens(namespace, self._greedy_kind(memory, key, n), ids, tokens)
 
     def prefetch_greedy(self, build: Callable[[], object], stop: "Cancel", rounds: int = 3) -> None:
         """Run the base continuations `build` asks `remembered_greedy` for, together (greedy_many), before it runs
@@ -187,7 +218,7 @@ class Capturing:
             if not pending:
                 return
             for request, tokens in zip(pending, self.greedy_many(pending, stop)):
-                remember(request.memory, request.key, tokens)
+                self._remember_greedy(request.memory, request.key, request.ids, request.n, tokens)
 
     def greedy_many(self, requests: Sequence["GreedyRequest"], stop: "Cancel") -> list[list[int]]:
         """`greedy` under the base weights of each request, the decode steps of up to GREEDY_ROWS of them in one
@@ -302,23 +333,45 @@ class Capturing:
         `residual_at`, without the residual at that layer)."""
         key = tuple(ids)
         known = self._remembered.get(key)
-        if (known is not None and known.from_layer <= from_layer
-                and (residual_at is None or (known.residual is not None and known.residual[0] == residual_at))):
+        if known is not None and _covers(known, from_layer, residual_at):
             self._remembered.move_to_end(key)
             return known
+        store, namespace = self.capture_store, self.capture_namespace()
+        stored = store.get(namespace, key) if store is not None and namespace is not None else None
+        if stored is not None and _covers(stored, from_layer, residual_at):
+            return self._remember(key, stored.from_layer, stored.inputs, stored.residual)
         # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
         captured = self.capture(key, PatchOverlay())
         # The layer a pass resumes from stays single precision: the resumed layers read it as the pass made it.
         inputs = [None if i < from_layer else x if i == residual_at else x.astype(REMEMBERED_DTYPE)
                   for i, x in enumerate(captured.inputs)]
         residual = None if residual_at is None else (residual_at, captured.residuals[residual_at])
-        if known is not None:
-            del self._remembered[key]
+        if store is not None and namespace is not None:
+            store.put(namespace, key, StoredCapture(from_layer, inputs, residual))
+        return self._remember(key, from_layer, inputs, residual)
+
+    def _remember(self, key: tuple[int, ...], from_layer: int, inputs: list,
+                  residual: tuple[int, np.ndarray] | None) -> RememberedInputs:
+        self._remembered.pop(key, None)
         nbytes = sum(x.nbytes for x in inputs if x is not None) + (0 if residual is None else residual[1].nbytes)
         self._remembered[key] = remembered = RememberedInputs(from_layer, inputs, nbytes, residual)
         while sum(r.nbytes for r in self._remembered.values()) > CAPTURE_MEMORY_BYTES and len(self._remembered) > 1:
             self._remembered.popitem(last=False)
         return remembered
+
+    def capture_namespace(self) -> str | None:
+        """What the base passes' numbers depend on besides their tokens (the capture store's namespace): the model,
+        the attention and FFN graphs' content, the walk settings, onnxruntime's version and threads, the rows'
+        precision. None where a graph has no such name (the numpy reference, graphs built in memory) or no
+        store is given: then nothing is kept on disk."""
+        if self.capture_store is None or not self.capture_store.enabled:
+            return None
+        blocks = getattr(self.model.transformer.graphs, "numerics", None)
+        ffn = getattr(self.model.ffn, "numerics", None)
+        if blocks is None or ffn is None:
+            return None
+        return "|".join([self.model.checksum, blocks, ffn, repr(self.walk), f"onnxruntime-{ort.__version__}",
+                         f"threads-{self.model.threads}", np.dtype(REMEMBERED_DTYPE).name])
 
     def written_inputs(self, ids: Sequence[int], overlay: PatchOverlay, from_layer: int) -> list[np.ndarray | None]:
         """`base_inputs` of a context where the overlay's features fire (the earlier facts' questions and

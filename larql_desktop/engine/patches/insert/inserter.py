@@ -16,6 +16,7 @@ from larql_desktop.engine.model.overlay import (BaseFeatureWeights, LayerOverrid
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore
 from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
                                                       key_layers, step_pair, strength_to_win)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
@@ -65,10 +66,12 @@ class InsertResult:
 class Inserter(Contexts, Values):
     """INSERT (entity, relation, target) on a model: `insert` computes a patch against the current overlay."""
 
-    def __init__(self, model: LoadedModel, base: BaseFeatureWeights, walk: WalkSettings = WalkSettings(dense=True)):
+    def __init__(self, model: LoadedModel, base: BaseFeatureWeights, walk: WalkSettings = WalkSettings(dense=True),
+                 capture_store: CaptureStore | None = None):
         self.model = model
         self.base = base
         self.walk = walk
+        self.capture_store = capture_store
         self._post_norms: dict[int, np.ndarray | None] = {}
         self._remembered: OrderedDict[tuple[int, ...], RememberedInputs] = OrderedDict()
         self._continued: dict[str, list[int]] = {}
