@@ -72,7 +72,8 @@ def open_persistent_cache(paths: AppPaths, spec: str = "sqlite") -> tuple[L3Stor
 
 
 def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, threads: int, l3: L3Store | None,
-                      serve=None, applied: AppliedPatchStore | None = None) -> tuple[EngineClient, MainWindow]:
+                      serve=None, applied: AppliedPatchStore | None = None,
+                      capture_store: CaptureStore | None = None) -> tuple[EngineClient, MainWindow]:
     """The engine client and the window as the app wires them (run_app, and `bench`'s app mode)."""
     # The engine thread gives up the GIL for every onnxruntime call (a few per layer) and needs it back after
     # each; at Python's default 5 ms switch interval a redraw in the GUI thread made it wait up to that long
@@ -80,7 +81,7 @@ def build_main_window(app: QApplication, paths: AppPaths, settings: QSettings, t
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     applied = applied if applied is not None else AppliedPatchStore(paths.data / APPLIED_PATCHES_DIR)
     client = EngineClient(paths, threads=threads, l3=l3, serve=serve, applied=applied,
-                          capture_store=CaptureStore(paths.insert_captures))
+                          capture_store=capture_store)
     return client, MainWindow(client, settings, app)
 
 
@@ -101,7 +102,8 @@ def run_app(args, serve=None) -> int:
     app.setWindowIcon(app_icon())
     settings = open_settings(paths)
     l3, warning = open_persistent_cache(paths)
-    client, window = build_main_window(app, paths, settings, args.threads, l3, serve)
+    captures = CaptureStore(paths.insert_captures)     # INSERT's passes between launches
+    client, window = build_main_window(app, paths, settings, args.threads, l3, serve, capture_store=captures)
     window.show()
     if warning:
         window.show_warning(warning)
@@ -114,8 +116,7 @@ def run_app(args, serve=None) -> int:
     finally:
         window.server.shutdown()   # closeEvent already did these two unless the loop ended another way
         client.shutdown()
-        if client.worker.capture_store is not None:
-            client.worker.capture_store.close()
+        captures.close()        # as the L3: after the engine thread has ended
         if l3 is not None:
             l3.close()          # after the engine thread has ended: nothing uses it any more
         sys.excepthook = previous_hook

@@ -22,7 +22,7 @@ import threading
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import xxhash
@@ -30,9 +30,10 @@ import xxhash
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Bump when a value's layout changes, or what a continuation is (the rules that stop one: phrasings.py's
-# `enough` callables): older rows are then never read.
-STORE_FORMAT = 1
+# Bump when a value's layout changes, or what a continuation is (the rules that stop one: phrasings.py's `enough`
+# callables): older rows are then never read. (2: every value names its kind.)
+STORE_FORMAT = 2
+CAPTURE_KIND = "capture"   # a capture's kind; a continuation's names its memory, length and key
 # What np.load raises on a value that is not a whole archive of the arrays asked for.
 UNREADABLE = (ValueError, KeyError, OSError, EOFError, IndexError, zipfile.BadZipFile)
 DEFAULT_STORE_BYTES = 1024 * 2 ** 20     # ~17 relations' negatives on SmolLM2 (~59 MB each)
@@ -89,24 +90,26 @@ class CaptureStore:
     def get(self, namespace: str, ids: Sequence[int]) -> StoredCapture | None:
         """The stored capture of `ids` under `namespace`, or None (never stored, dropped, or unreadable)."""
         arr = np.asarray(ids, dtype="<i8")
-        return self._read(self._key(namespace, arr, "capture"), lambda value: _decode(value, namespace, arr))
+        return self._read(self._key(namespace, arr, CAPTURE_KIND),
+                          lambda value: _decoded(value, namespace, CAPTURE_KIND, arr, _capture_from))
 
     def put(self, namespace: str, ids: Sequence[int], capture: StoredCapture) -> None:
         """Store (or replace) the capture of `ids`; then drop the least recently used rows past the byte bound."""
         arr = np.asarray(ids, dtype="<i8")
-        self._write(self._key(namespace, arr, "capture"), lambda: _encode(capture, namespace, arr))
+        self._write(self._key(namespace, arr, CAPTURE_KIND),
+                    lambda: _encoded(namespace, CAPTURE_KIND, arr, _capture_arrays(capture)))
 
     def get_tokens(self, namespace: str, kind: str, ids: Sequence[int]) -> list[int] | None:
         """The base model's continuation of `ids` of this kind (capture.Capturing.remembered_greedy: which of
         its memories, how many tokens, what stops it), or None."""
         arr = np.asarray(ids, dtype="<i8")
-        return self._read(self._key(namespace, arr, kind), lambda value: _decode_tokens(value, namespace, kind, arr))
+        return self._read(self._key(namespace, arr, kind),
+                          lambda value: _decoded(value, namespace, kind, arr, _tokens_from))
 
     def put_tokens(self, namespace: str, kind: str, ids: Sequence[int], tokens: Sequence[int]) -> None:
         arr = np.asarray(ids, dtype="<i8")
         self._write(self._key(namespace, arr, kind),
-                    lambda: _encode_arrays({"ids": arr, "namespace": _text(namespace), "kind": _text(kind),
-                                            "tokens": np.asarray(tokens, dtype="<i8")}))
+                    lambda: _encoded(namespace, kind, arr, {"tokens": np.asarray(tokens, dtype="<i8")}))
 
     def _read(self, key: bytes, decode: Callable[[bytes], T | None]) -> T | None:
         if self._db is None:
@@ -184,16 +187,31 @@ def _text(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), np.uint8)
 
 
-def _encode_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+def _encoded(namespace: str, kind: str, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> bytes:
+    """A value: `arrays` with the ids, namespace and kind it was stored under (checked on reading)."""
     buf = io.BytesIO()
     # (numpy's stub takes the first keyword argument for allow_pickle)
-    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    np.savez(buf, ids=ids, namespace=_text(namespace), kind=_text(kind), **arrays)  # type: ignore[arg-type]
     return buf.getvalue()
 
 
-def _encode(capture: StoredCapture, namespace: str, ids: np.ndarray) -> bytes:
-    arrays: dict[str, np.ndarray] = {"ids": ids, "namespace": _text(namespace),
-              "from_layer": np.array(capture.from_layer, np.int64),
+def _decoded(value: bytes, namespace: str, kind: str, ids: np.ndarray, read: Callable[[Any, int], T | None]
+             ) -> T | None:
+    """`read(archive, len(ids))` of a value stored for these ids, namespace and kind; None for another's or one
+    that cannot be read."""
+    try:
+        with np.load(io.BytesIO(value), allow_pickle=False) as z:
+            if (not np.array_equal(z["ids"], ids) or z["namespace"].tobytes() != namespace.encode()
+                    or z["kind"].tobytes() != kind.encode()):
+                return None
+            return read(z, len(ids))
+    except UNREADABLE as e:
+        log.warning("INSERT's capture store: an unreadable entry was dropped: %s", e)
+        return None
+
+
+def _capture_arrays(capture: StoredCapture) -> dict[str, np.ndarray]:
+    arrays = {"from_layer": np.array(capture.from_layer, np.int64),
               "layers": np.array([i for i, x in enumerate(capture.inputs) if x is not None], np.int64),
               "n_layers": np.array(len(capture.inputs), np.int64)}
     for i, x in enumerate(capture.inputs):
@@ -202,35 +220,20 @@ def _encode(capture: StoredCapture, namespace: str, ids: np.ndarray) -> bytes:
     if capture.residual is not None:
         arrays["residual_layer"] = np.array(capture.residual[0], np.int64)
         arrays["residual"] = capture.residual[1]
-    return _encode_arrays(arrays)
+    return arrays
 
 
-def _decode(value: bytes, namespace: str, ids: np.ndarray) -> StoredCapture | None:
-    """The capture in `value` if it is one of `ids` under `namespace` and whole; else None."""
-    try:
-        with np.load(io.BytesIO(value), allow_pickle=False) as z:
-            if not np.array_equal(z["ids"], ids) or z["namespace"].tobytes() != namespace.encode():
-                return None
-            inputs: list = [None] * int(z["n_layers"])
-            for i in z["layers"]:
-                x = z[f"layer{int(i)}"]
-                if x.ndim != 2 or x.shape[0] != len(ids):
-                    return None
-                inputs[int(i)] = x
-            residual = (int(z["residual_layer"]), z["residual"]) if "residual" in z.files else None
-            return StoredCapture(int(z["from_layer"]), inputs, residual)
-    except UNREADABLE as e:
-        log.warning("INSERT's capture store: an unreadable entry was dropped: %s", e)
-        return None
+def _capture_from(z, length: int) -> StoredCapture | None:
+    inputs: list = [None] * int(z["n_layers"])
+    for i in z["layers"]:
+        x = z[f"layer{int(i)}"]
+        if x.ndim != 2 or x.shape[0] != length:
+            return None
+        inputs[int(i)] = x
+    residual = (int(z["residual_layer"]), z["residual"]) if "residual" in z.files else None
+    return StoredCapture(int(z["from_layer"]), inputs, residual)
 
 
-def _decode_tokens(value: bytes, namespace: str, kind: str, ids: np.ndarray) -> list[int] | None:
-    try:
-        with np.load(io.BytesIO(value), allow_pickle=False) as z:
-            if (not np.array_equal(z["ids"], ids) or z["namespace"].tobytes() != namespace.encode()
-                    or z["kind"].tobytes() != kind.encode() or z["tokens"].ndim != 1):
-                return None
-            return [int(t) for t in z["tokens"]]
-    except UNREADABLE as e:
-        log.warning("INSERT's capture store: an unreadable entry was dropped: %s", e)
-        return None
+def _tokens_from(z, length: int) -> list[int] | None:
+    tokens = z["tokens"]
+    return [int(t) for t in tokens] if tokens.ndim == 1 else None
