@@ -167,6 +167,11 @@ def shared_prefix(client: Client, clients: int, max_tokens: int, salt: int) -> l
 def aggregate(client: Client, counts: list[int], max_tokens: int, replies: int, salt: int) -> list[dict]:
     """Every client's prompts differ from every other's, in this row and in the others and in earlier runs (the
     salt): a prompt decoded before would be served from the FFN cache tiers, not walked, and flatter the ratio."""
+    # One reply before the rows, not counted: the first request after a start (or after another part) pays for
+    # what every later one reuses (the chat template's head prefilled into the prefix cache, the batch's first
+    # bindings), which would slow the one-client row the ratios divide by.
+    client.settle()
+    client.chat([{"role": "user", "content": f"Warm-up at desk {salt}: name a colour."}], max_tokens)
     out = []
     for row_index, n in enumerate(counts):
         tokens = [0] * n
