@@ -413,6 +413,25 @@ def test_writes_wait_for_a_quiet_moment_or_a_flush(tmp_path):
     store.close()
 
 
+def test_a_full_queue_takes_a_steps_values_only_where_it_holds_their_address(tmp_path):
+    """put_many (a decode step's misses) on a full queue: a value whose address waits in the queue replaces it,
+    as a put does; every other value is dropped and counted per layer, none queued, none written."""
+    store = SqliteL3(tmp_path / "l3.sqlite3")
+    store.QUIET = 600.0              # the writer waits far longer than the test: the queue stays full
+    store.QUEUE_LIMIT = 4
+    store.put_many([(layer, NS, 10 + layer, _entry(layer)) for layer in range(4)])
+    assert store.status()["queued_writes"] == 4 and store.dropped_writes == 0
+    newer = _entry(99)
+    store.put_many([(1, NS, 11, newer), (0, NS, 50, _entry(50)), (2, NS, 51, _entry(51)), (2, NS, 52, _entry(52))])
+    assert store.status()["queued_writes"] == 4 and store.dropped_writes == 3
+    assert store.occupancy(3)[4].tolist() == [1, 0, 2]
+    assert "queue full" in store.errors
+    assert np.array_equal(store.get(1, NS, 11).output, newer.output)      # the queued address took the newer
+    assert store.get(0, NS, 50) is None and store.get(2, NS, 52) is None
+    assert store.flush(30) and store.get(0, NS, 10) is not None and store.get(2, NS, 51) is None
+    store.close()
+
+
 def test_a_queued_value_is_served_as_it_will_be_stored(tmp_path):
     """SQLite queues a value unencoded (the writer encodes it) and serves it from the queue meanwhile: what a
     lookup gets before the write is what it gets after (fp16 rounding included), and a caller that reuses its

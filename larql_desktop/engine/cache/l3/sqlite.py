@@ -13,6 +13,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
+from larql_desktop.engine.cache.l3.codec import namespace_id, signed_key
 from larql_desktop.engine.cache.l3.contract import RETRY_AFTER, L3Settings, L3Store
 
 log = logging.getLogger("larql_desktop.engine.cache.l3")   # one logger for the store, whichever part logs
@@ -372,6 +373,31 @@ class SqliteL3(L3Store):
 
     def _put_many(self, items):
         self._queue(items)
+
+    def put_many(self, items) -> None:
+        # Under sustained decode the queue stays full (the writer waits for a quiet moment) and drops each new
+        # value, so making their stored forms first (an fp16 pass over a step's values, in every batched row's
+        # serial share of the step) was work thrown away. Only the values whose address is queued already are
+        # still taken (they replace it, as _queue does); the rest count as dropped, as _queue counts them.
+        if items and len(self._pending) >= self.QUEUE_LIMIT and self._available():
+            addressed = [(item, (namespace_id(item[1]), item[0], signed_key(item[2]))) for item in items]
+            dropped = 0
+            with self._queued:
+                if len(self._pending) >= self.QUEUE_LIMIT and not self._closing.is_set():
+                    kept = []
+                    for item, address in addressed:
+                        if address in self._pending:
+                            kept.append(item)
+                        else:
+                            dropped += 1
+                            self._dropped[item[0]] = self._dropped.get(item[0], 0) + 1
+                    self.dropped_writes += dropped
+                    self._last_activity = time.monotonic()     # decode goes on: the writer keeps waiting
+                    items = kept
+            if dropped:
+                self._report("queue full", RuntimeError(f"{self.QUEUE_LIMIT} values wait to be written"),
+                             "further writes are dropped until the writer catches up")
+        super().put_many(items)
 
     def _queue(self, items) -> int:
         """Queue each (layer, ns, key, entry, nbytes) for the writer, under one lock; returns how many it took."""
