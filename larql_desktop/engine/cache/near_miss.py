@@ -108,14 +108,17 @@ class NearMissSampler:
         if self.spent > self.budget * self.miss_seconds:
             self.skipped_for_budget += 1
             return None
-        seen, entries = {id(entry)}, []
+        # Entries told apart by their output array, the one object every tier holding an entry shares (a tier
+        # hands out a new CacheEntry around it at each read): the miss's own new entry is left out, and one held
+        # by L1 and L2 is compared once.
+        seen, entries = {id(entry.output)}, []
         for tier in tiers:
             entries_of = getattr(tier, "entries_of", None)     # in-memory tiers only: L3 is not searched
             if entries_of is None:
                 continue
             for e in entries_of(layer, namespace):
-                if id(e) not in seen:
-                    seen.add(id(e))
+                if id(e.output) not in seen:
+                    seen.add(id(e.output))
                     entries.append(e)
         found = nearest(layer, x, out, entry.features, self.top_k, entries, self.tau)
         for st in stats:
