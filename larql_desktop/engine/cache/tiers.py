@@ -40,7 +40,7 @@ class CacheEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.output.nbytes + self.residual.nbytes + (0 if self.features is None else self.features.nbytes)
+        return _nbytes((self.output, self.residual, self.features))
 
 
 ENTRY_PARTS = 3     # (output, residual, features): an entry's arrays in a tier's flat bucket

@@ -377,46 +377,43 @@ class SqliteL3(L3Store):
     def put_many(self, items) -> None:
         # Under sustained decode the queue stays full (the writer waits for a quiet moment) and drops each new
         # value, so making their stored forms first (an fp16 pass over a step's values, in every batched row's
-        # serial share of the step) was work thrown away. Only the values whose address is queued already are
-        # still taken (they replace it, as _queue does); the rest count as dropped, as _queue counts them.
+        # serial share of the step) was work thrown away: a full queue drops them before they are formed.
         if items and len(self._pending) >= self.QUEUE_LIMIT and self._available():
-            addressed = [(item, (namespace_id(item[1]), item[0], signed_key(item[2]))) for item in items]
-            dropped = 0
-            with self._queued:
-                if len(self._pending) >= self.QUEUE_LIMIT and not self._closing.is_set():
-                    kept = []
-                    for item, address in addressed:
-                        if address in self._pending:
-                            kept.append(item)
-                        else:
-                            dropped += 1
-                            self._dropped[item[0]] = self._dropped.get(item[0], 0) + 1
-                    self.dropped_writes += dropped
-                    self._last_activity = time.monotonic()     # decode goes on: the writer keeps waiting
-                    items = kept
-            if dropped:
-                self._report("queue full", RuntimeError(f"{self.QUEUE_LIMIT} values wait to be written"),
-                             "further writes are dropped until the writer catches up")
+            items = self._take(items, lambda item: (namespace_id(item[1]), item[0], signed_key(item[2])))
         super().put_many(items)
 
     def _queue(self, items) -> int:
         """Queue each (layer, ns, key, entry, nbytes) for the writer, under one lock; returns how many it took."""
-        taken = dropped = 0
+        taken = 0
+
+        def queue(item) -> None:
+            nonlocal taken
+            layer, ns, key, entry, nbytes = item
+            self._pending[(ns, layer, key)] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
+            taken += 1
+            # Only the first value of a burst wakes the writer (to wait for the quiet moment): a wake-up per
+            # value would hand the GIL to it 30 times a token.
+            if len(self._pending) == 1:
+                self._wake_writer()
+        self._take(items, lambda item: (item[1], item[0], item[2]), queue)
+        return taken
+
+    def _take(self, items, address_of, queue=None) -> list:
+        """The items (their layer first) the queue has room for, under one lock: a full queue takes only those
+        whose address it holds (they replace it); the rest are dropped, counted per layer. `queue(item)` is
+        called for each taken one. Nothing is taken once the store is closing."""
+        taken, dropped = [], 0
         with self._queued:
             if self._closing.is_set():
-                return 0
-            for layer, ns, key, entry, nbytes in items:
-                address = (ns, layer, key)
-                if address not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
+                return []
+            for item in items:
+                if address_of(item) not in self._pending and len(self._pending) >= self.QUEUE_LIMIT:
                     dropped += 1
-                    self._dropped[layer] = self._dropped.get(layer, 0) + 1
+                    self._dropped[item[0]] = self._dropped.get(item[0], 0) + 1
                     continue
-                self._pending[address] = (entry, time.time_ns(), nbytes)   # recency: when it was computed
-                taken += 1
-                # Only the first value of a burst wakes the writer (to wait for the quiet moment): a wake-up
-                # per value would hand the GIL to it 30 times a token.
-                if len(self._pending) == 1:
-                    self._wake_writer()
+                taken.append(item)
+                if queue is not None:
+                    queue(item)
             if taken or dropped:    # a dropped value is activity too: decode goes on, so the writer waits
                 self._last_activity = time.monotonic()
             self.dropped_writes += dropped
