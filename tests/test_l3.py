@@ -19,6 +19,7 @@ import pytest
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.cache.tiers import CacheEntry, TierSettings
 from larql_desktop.engine.cache.walk import WalkSettings
+from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.cache.l3 import (DTYPES, FP16_MAX, L3Settings, RedisL3, SqliteL3, decode_entry,
                                            default_l3_path, encode_entry, open_l3)
 from greedy_runs import run_sequence
@@ -496,6 +497,23 @@ def test_a_statistics_poll_does_not_count_the_file_the_writer_recounts_it(tmp_pa
     assert store.occupancy(2)[1].tolist() == [1, 0]          # a poll serves the counts it has...
     assert store.put(0, NS, 2, _entry(2)) and store.flush(10)
     assert store.occupancy(2)[1].tolist() == [2, 5]          # ...the writer's next batch recounted the file
+    store.close()
+
+
+def test_a_prefill_keeps_the_writer_waiting_for_its_quiet_moment(smollm2, tmp_path):
+    """A prefill puts nothing in the cache (only decode steps are looked up and stored), yet it is the engine at
+    work: a server prefilling several prompts in a row goes a second without a put, and a writer that took that
+    for its quiet moment ran beside the prefills on two cores. Each prefill pass restarts the quiet moment."""
+    store = SqliteL3(tmp_path / "l3.sqlite3")
+    store.QUIET = 600.0              # the writer waits far longer than the test: nothing is written below
+    engine = LarqlEngine(smollm2, l3=store)
+    store.put(0, NS, 1, _entry(1))
+    before = store.quiet_since
+    ids = smollm2.encode_prompt([{"role": "user", "content": "Name a large animal that lives in the sea."}])
+    smollm2.transformer.forward(ids, KvCache(smollm2.config), engine.new_session().ffn)     # a prefill alone
+    assert store.quiet_since > before
+    assert store.status()["queued_writes"] == 1 and engine.snapshot().tiers["L3"].entries.sum() == 1
+    assert store.flush(30) and store.status()["queued_writes"] == 0
     store.close()
 
 

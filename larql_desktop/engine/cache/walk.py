@@ -298,6 +298,8 @@ class WalkFfn:
         touched = ovr is not None and bool(holds.any())
         if x.shape[0] != 1:
             bypass = "prefill"
+            if self.l3 is not None:
+                self.l3.engine_busy()     # a prefill puts nothing: the L3's writer would take it for a quiet moment
         elif ovr is not None and (s.patch_mode == "bypass" or touched):
             bypass = "patched"
         else:

@@ -119,6 +119,10 @@ class L3Store:
         z = [np.zeros(n_layers, np.int64) for _ in range(5)]
         return tuple(z)
 
+    def engine_busy(self) -> None:
+        """The engine is computing beside the store (a prefill, which puts nothing): a store that writes behind
+        waits for a quiet moment counted from now. Nothing for a store that writes at once."""
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted write is in the store (a backend that writes synchronously: at once)."""
         return True

@@ -146,7 +146,9 @@ class SqliteL3(L3Store):
     QUEUE_LIMIT = 8192      # values waiting to be written; beyond it a write is dropped (never waited for)
     BATCH = 512             # values per write transaction
     # The writer waits for a quiet moment: QUIET seconds without a value offered (decode offers one per layer
-    # every few milliseconds, so it writes between replies), unless flush() asks or the store closes. On two
+    # every few milliseconds, so it writes between replies) or a prefill (engine_busy: a server prefilling
+    # eight prompts one after another puts nothing for a second, and a writer running then took ~0.5 s of CPU
+    # from them), unless flush() asks or the store closes. On two
     # cores a writer that runs during decode takes CPU and the GIL from it: with 8 clients decoding, writing
     # whenever the queue was three-quarters full gave the writer ~30% of the samples and cost a quarter of the
     # aggregate tok/s. So a queue that fills while decode goes on drops further values (counted in
@@ -422,6 +424,14 @@ class SqliteL3(L3Store):
                          "further writes are dropped until the writer catches up")
         return taken
 
+    def engine_busy(self) -> None:
+        self._last_activity = time.monotonic()    # a float's assignment: no lock, read by the writer's wait
+
+    @property
+    def quiet_since(self) -> float:
+        """time.monotonic() of the latest value offered, hit or engine_busy: the writer writes QUIET seconds after."""
+        return self._last_activity
+
     def _wake_writer(self) -> None:
         """Called with _queued held: start the writer thread on first use, wake it otherwise."""
         if self._writer is None:
@@ -448,8 +458,8 @@ class SqliteL3(L3Store):
                 self._closing.wait(delay)
 
     def _wait_for_quiet(self) -> None:
-        """With _queued held: until QUIET seconds have passed since the last put (taken or dropped) or hit,
-        flush() waits or the store closes."""
+        """With _queued held: until QUIET seconds have passed since the last put (taken or dropped), hit or
+        engine_busy, flush() waits or the store closes."""
         while not (self._closing.is_set() or self._flushes):
             left = self.QUIET - (time.monotonic() - self._last_activity)
             if left <= 0:
