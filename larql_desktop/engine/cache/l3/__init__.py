@@ -21,7 +21,8 @@ a lookup that fails is a miss and a write that fails is dropped. SQLite writes n
 batched transactions on its own connection, so a store that is locked by another process, or a slow disk, delays
 only that thread; lookups see queued values. The writer waits for a quiet moment (no value put, no hit and no
 prefill for a quarter of a second, i.e. between replies; a queue that fills meanwhile drops further writes), so on
-a machine with two cores it does not take CPU from decode or prefill. A crash loses at most the queue: every batch is one transaction.
+a machine with two cores it does not take CPU from decode or prefill. A crash loses at most the queue: every
+batch is one transaction.
 Nor does a lookup whose key is not in the file read it: the store keeps the file's addresses in memory
 (`KeyIndex`: loaded when the file is opened, kept current by this process's writer, refreshed from other
 processes' inserts at most every REFRESH_EVERY seconds), so a miss costs a set lookup, and a stale "absent"
