@@ -117,6 +117,31 @@ def test_absurd_tier_settings_refused():
             TierSettings(**kwargs)
 
 
+def test_a_steps_records_counted_together_equal_the_same_records_counted_one_by_one():
+    """record_untimed counts a decode step's records kind by kind, all their layers at once: every count (per
+    tier and layer, per bypass reason, full misses, calls, lookups) is what record() gives one record at a time,
+    with mixed kinds and a layer recorded twice."""
+    rng = np.random.default_rng(7)
+    kinds = [("miss", (("L1", False), ("L2", False), ("L3", False)), None),
+             ("hit", (("L1", False), ("L2", True)), None),
+             ("hit", (("L1", True),), None),
+             ("bypass", (), "patched"),
+             ("bypass", (), "prefill"),
+             ("dense", (), None)]
+    records = [(int(rng.integers(6)), *kinds[int(rng.integers(len(kinds)))]) for _ in range(200)]
+    records += [(2, *kinds[0]), (2, *kinds[0])]
+    together, one_by_one = CacheStats(6), CacheStats(6)
+    for start in range(0, len(records), 30):         # steps of 30 records
+        together.record_untimed(records[start:start + 30])
+    for layer, outcome, tier_results, bypass in records:
+        one_by_one.record(layer, outcome, None, tier_results=tier_results, bypass=bypass)
+    a, b = ({k: v for k, v in stats.snapshot({}, {}).to_dict().items() if k != "fidelity"}   # (NaN: none checked)
+            for stats in (together, one_by_one))
+    assert a == b and a["calls"] == len(records)
+    assert a["tiers"]["L2"]["per_layer"]["hits"] == b["tiers"]["L2"]["per_layer"]["hits"]
+    assert a["tiers"]["L2"]["hits"] > 0 and a["full_misses"]["per_layer"][2] >= 2
+
+
 def test_eight_threads_hammering_l2_lose_no_counts_and_corrupt_nothing():
     tier = CacheTier("L2", 4, TierSettings(capacity=64, policy="lru"))
     stats = CacheStats(4)

@@ -153,10 +153,29 @@ class CacheStats:
 
     def record_untimed(self, records) -> None:
         """`record(layer, outcome, None, tier_results=..., bypass=...)` for each (layer, outcome, tier_results,
-        bypass) of `records`, under one lock (the layers of a decode step run in one call)."""
+        bypass) of `records`, under one lock (the layers of a decode step run in one call). Counted per kind of
+        record, all its layers at once: a step's 30 misses were 120 one-element numpy increments, in each
+        batched row's serial share of the step."""
+        layers_of: dict[tuple, list[int]] = {}
+        for layer, outcome, tier_results, bypass in records:
+            layers_of.setdefault((outcome, tier_results, bypass), []).append(layer)
         with self._lock:
-            for layer, outcome, tier_results, bypass in records:
-                self._count(layer, outcome, tier_results, bypass)
+            for (outcome, tier_results, bypass), layers in layers_of.items():
+                self._count_layers(np.asarray(layers, np.intp), outcome, tier_results, bypass)
+
+    def _count_layers(self, layers: np.ndarray, outcome: str, tier_results, bypass: str | None) -> None:
+        """_count for each of `layers` (a layer may repeat)."""
+        n = len(layers)
+        self._calls += n
+        if tier_results:
+            self._lookups += n
+        for tier, hit in tier_results:
+            np.add.at((self._hits if hit else self._misses)[tier], layers, 1)
+        if bypass is not None:
+            np.add.at(self._bypass[bypass], layers, 1)
+        if outcome == "miss":
+            np.add.at(self._full_misses, layers, 1)
+        self._lat_count[outcome] += n
 
     def _count(self, layer: int, outcome: str, tier_results, bypass: str | None) -> None:
         self._calls += 1

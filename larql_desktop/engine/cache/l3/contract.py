@@ -74,7 +74,16 @@ class L3Store:
     def get(self, layer: int, namespace: tuple, key: int) -> CacheEntry | None:
         if not self._available():
             return None
-        ns, key = namespace_id(namespace), signed_key(key)
+        return self._lookup(layer, namespace_id(namespace), signed_key(key))
+
+    def get_many(self, wanted) -> list[CacheEntry | None]:
+        """`get(layer, namespace, key)` for each (layer, namespace, key) of `wanted` (a decode step's layers),
+        the store's availability looked at once."""
+        if not self._available():
+            return [None] * len(wanted)
+        return [self._lookup(layer, namespace_id(namespace), signed_key(key)) for layer, namespace, key in wanted]
+
+    def _lookup(self, layer: int, ns: int, key: int) -> CacheEntry | None:
         if not self._may_hold(layer, ns, key):
             return None
         blob = self._get(layer, ns, key)
