@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from larql_desktop.engine.graphs.store import share_thread_pool  # noqa: E402
 from larql_desktop.engine.heap import return_freed_memory  # noqa: E402
 from larql_desktop.engine.paths import AppPaths  # noqa: E402
+from larql_desktop.engine.patches.insert.capture_store import CaptureStore  # noqa: E402
 
 # As main() does: every onnxruntime session of the process on one shared pool (tests make theirs with
 # graph_store.session_options too).
@@ -54,6 +55,16 @@ def collected_after_each_module():
 @pytest.fixture(scope="session")
 def app_paths() -> AppPaths:
     return AppPaths.from_environment().ensure()
+
+
+@pytest.fixture(scope="session")
+def capture_store(tmp_path_factory) -> CaptureStore:
+    """One store of INSERT's passes for the whole run, as the app keeps one between launches: a relation's
+    passes an earlier test computed are read back, not computed again (the same patch either way:
+    tests/test_insert_capture_store.py). The store's own tests make stores of their own."""
+    store = CaptureStore(tmp_path_factory.mktemp("captures") / "captures.sqlite3")
+    yield store
+    store.close()
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ def tok_text(model, ids) -> str:
     return repr(model.tokenizer.decode(list(ids)))
 
 
-def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(smollm2):
-    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(smollm2, capture_store):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True), capture_store=capture_store)
     ins = engine.inserter()
     fact = Fact("Zorbania", "currency-of", "Glimmer")
     tokens = ins.target_tokens(fact.target)
@@ -120,8 +120,8 @@ def test_shared_work_gives_what_each_context_alone_gives(smollm2):
         np.testing.assert_array_equal(partial.inputs[i][:-1], captured.inputs[i][:-1])
 
 
-def test_keys_hold_on_a_paraphrase_the_insert_was_given(smollm2):
-    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+def test_keys_hold_on_a_paraphrase_the_insert_was_given(smollm2, capture_store):
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True), capture_store=capture_store)
     ins = engine.inserter()
     fact = Fact("Velmora", "founder-of", "Aldric")
     paraphrase = "Velmora was founded long ago by a man called"
@@ -160,8 +160,8 @@ def test_cancel_stops_the_insert_and_installs_nothing(smollm2):
         engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), cancel=lambda: True)
 
 
-def test_gemma_insert_answers_and_its_layers_are_recorded(gemma3):
-    engine = LarqlEngine(gemma3, walk=WalkSettings(dense=True))
+def test_gemma_insert_answers_and_its_layers_are_recorded(gemma3, capture_store):
+    engine = LarqlEngine(gemma3, walk=WalkSettings(dense=True), capture_store=capture_store)
     ins = engine.inserter()
     fact = Fact("Atlantis", "capital-of", "Poseidon")
     result = engine.insert(fact)

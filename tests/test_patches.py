@@ -22,9 +22,9 @@ FACTS = json.loads((SCENARIOS_DIR / "insert_facts.json").read_text())["facts"]
 
 @pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
 @pytest.mark.parametrize("fact", FACTS, ids=[f["entity"] for f in FACTS])
-def test_insert_makes_target_the_answer_and_leaves_control_alone(request, model_name, fact):
+def test_insert_makes_target_the_answer_and_leaves_control_alone(request, model_name, fact, capture_store):
     model = request.getfixturevalue(model_name)
-    engine = LarqlEngine(model)
+    engine = LarqlEngine(model, capture_store=capture_store)
     ins = engine.inserter()
     token = ins.target_token(fact["target"])
     clean = engine.patches
@@ -39,8 +39,8 @@ def test_insert_makes_target_the_answer_and_leaves_control_alone(request, model_
     assert engine.patches.has_overrides_at(result.layer)
 
 
-def test_removing_a_patch_restores_bit_identical_outputs(smollm2):
-    engine = LarqlEngine(smollm2)
+def test_removing_a_patch_restores_bit_identical_outputs(smollm2, capture_store):
+    engine = LarqlEngine(smollm2, capture_store=capture_store)
     ids = smollm2.tokenizer.encode("The capital of Atlantis is")
     off = dict(l1=TierSettings(enabled=False), l2=TierSettings(enabled=False))
 
@@ -57,8 +57,8 @@ def test_removing_a_patch_restores_bit_identical_outputs(smollm2):
     assert np.array_equal(logits(), clean)
 
 
-def test_patch_file_round_trip(smollm2, tmp_path):
-    engine = LarqlEngine(smollm2)
+def test_patch_file_round_trip(smollm2, tmp_path, capture_store):
+    engine = LarqlEngine(smollm2, capture_store=capture_store)
     result = engine.insert(Fact("Quillmoor", "language-of", "Elvish"))
     path = tmp_path / "fact.vlp.json"
     result.patch.save(path)
@@ -137,9 +137,9 @@ def test_unreadable_patch_files(smollm2, tmp_path):
         engine.read_patch(tmp_path / "missing.json")
 
 
-def test_cache_bypasses_exactly_the_patched_layers_and_matches_cache_off(smollm2):
+def test_cache_bypasses_exactly_the_patched_layers_and_matches_cache_off(smollm2, capture_store):
     # Two facts pinned to different layers: a multi-layer, multi-feature overlay.
-    engine = LarqlEngine(smollm2)
+    engine = LarqlEngine(smollm2, capture_store=capture_store)
     first_fact = engine.insert(Fact("Atlantis", "capital-of", "Poseidon"), layer=24)
     second_fact = engine.insert(Fact("Quillmoor", "language-of", "Elvish"), layer=20)
     layers = sorted(set(first_fact.layers) | set(second_fact.layers))
@@ -168,8 +168,8 @@ def test_cache_bypasses_exactly_the_patched_layers_and_matches_cache_off(smollm2
                           run_sequence(smollm2, clean.new_session().ffn, ids, 4)[1])
 
 
-def test_patch_epochs_keep_states_apart_across_apply_remove_reapply(smollm2):
-    engine = LarqlEngine(smollm2)
+def test_patch_epochs_keep_states_apart_across_apply_remove_reapply(smollm2, capture_store):
+    engine = LarqlEngine(smollm2, capture_store=capture_store)
     clean_epoch = engine.patches.epoch
     result = engine.insert(Fact("Zorbania", "currency-of", "Glimmer"))
     patched_epoch = engine.patches.epoch

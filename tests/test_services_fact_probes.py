@@ -19,9 +19,9 @@ QUESTION = fill(QUESTIONS[0], FACT.relation_words, FACT.entity)
 
 
 @pytest.fixture(scope="module")
-def gemma_inserted(gemma3):
+def gemma_inserted(gemma3, capture_store):
     """One real INSERT on the base model (module-scoped: it takes a while on a loaded machine)."""
-    engine = LarqlEngine(gemma3)
+    engine = LarqlEngine(gemma3, capture_store=capture_store)
     engine.insert(FACT)
     return engine
 
