@@ -145,15 +145,14 @@ class SqliteL3(L3Store):
     backend = "sqlite"
     QUEUE_LIMIT = 8192      # values waiting to be written; beyond it a write is dropped (never waited for)
     BATCH = 512             # values per write transaction
-    # The writer waits for a quiet moment: QUIET seconds without a value offered (decode offers one per layer
-    # every few milliseconds, so it writes between replies) or a prefill (engine_busy: a server prefilling
-    # eight prompts one after another puts nothing for a second, and a writer running then took ~0.5 s of CPU
-    # from them), unless flush() asks or the store closes. On two
-    # cores a writer that runs during decode takes CPU and the GIL from it: with 8 clients decoding, writing
-    # whenever the queue was three-quarters full gave the writer ~30% of the samples and cost a quarter of the
-    # aggregate tok/s. So a queue that fills while decode goes on drops further values (counted in
-    # dropped_writes): the persistent tier keeps the first QUEUE_LIMIT values of a busy spell, and serves them
-    # from the queue until the writer gets its quiet moment.
+    # The writer waits for a quiet moment: QUIET seconds without a value offered (decode offers one per layer every
+    # few milliseconds, so it writes between replies) or a prefill (engine_busy: a server prefilling eight prompts
+    # one after another puts nothing for a second, and a writer running then took ~0.5 s of CPU from them), unless
+    # flush() asks or the store closes. On two cores a writer that runs during decode takes CPU and the GIL from it:
+    # with 8 clients decoding, writing whenever the queue was three-quarters full gave the writer ~30% of the
+    # samples and cost a quarter of the aggregate tok/s. So a queue that fills while decode goes on drops further
+    # values (counted in dropped_writes): the persistent tier keeps the first QUEUE_LIMIT values of a busy spell,
+    # and serves them from the queue until the writer gets its quiet moment.
     QUIET = 0.25
     CLOSE_FLUSH = 5.0       # seconds close() gives the writer to write what is queued
     TOUCH_BATCH = 64        # hits whose recency the writer is woken to write (it writes them with values too)
