@@ -58,11 +58,12 @@ def app_paths() -> AppPaths:
 
 
 @pytest.fixture(scope="session")
-def capture_store(tmp_path_factory) -> CaptureStore:
-    """One store of INSERT's passes for the whole run, as the app keeps one between launches: a relation's
-    passes an earlier test computed are read back, not computed again (the same patch either way:
+def capture_store(app_paths) -> CaptureStore:
+    """One store of INSERT's passes for the whole run: the app's own, in the run's home, which the window's,
+    the server's and the CLI's inserts (subprocesses too) keep theirs in as well. A relation's passes an earlier
+    test computed are read back, not computed again (the same patch either way:
     tests/test_insert_capture_store.py). The store's own tests make stores of their own."""
-    store = CaptureStore(tmp_path_factory.mktemp("captures") / "captures.sqlite3")
+    store = CaptureStore(app_paths.insert_captures)
     yield store
     store.close()
 

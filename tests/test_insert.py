@@ -200,13 +200,13 @@ def test_facts_files_are_checked(tmp_path):
         read_facts(bad)
 
 
-def test_insert_eval_on_one_fact(smollm2, tmp_path):
+def test_insert_eval_on_one_fact(smollm2, capture_store):
     facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
     # Two of the conversations generated from the relation: an earlier turn under the same relation about a real
     # entity (with a keep question after it) and one under another relation.
     fact = replace(facts[0], cases=facts[0].cases[:1] + facts[0].cases[2:3])
     assert [c.kind for c in fact.cases] == ["same relation", "other relation"] and len(fact.keep) == 1
-    report = run_insert_eval(default_engine_factory(smollm2), [fact], controls[:2])
+    report = run_insert_eval(default_engine_factory(smollm2, capture_store=capture_store), [fact], controls[:2])
     s = report.scores
     assert s["canonical"].passed == s["canonical"].total == 1
     assert s["paraphrases"].total == 4 and s["chat"].total == 2 and s["neighbours"].total == 4
@@ -324,10 +324,10 @@ def test_word_ends_tells_a_new_word_from_more_of_the_same(smollm2):
     assert ends[first[0]] and not after[first[0]] and int((after != ends).sum()) == 1
 
 
-def test_resumed_and_extended_captures_match_whole_passes(smollm2):
+def test_resumed_and_extended_captures_match_whole_passes(smollm2, capture_store):
     """recapture re-runs only the layers after a changed FFN; it must equal a whole pass exactly. extend adds
     tokens on the KV cache: equal to a whole pass up to the graphs' prefill-versus-decode rounding."""
-    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True))
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True), capture_store=capture_store)
     ins = engine.inserter()
     result = engine.insert(Fact("Brindlewick", "mayor-of", "Ottoline"))
     patched = engine.patches

@@ -29,9 +29,10 @@ def settings_file(tmp_path):
 
 
 @pytest.fixture
-def window(qtbot, qapp, app_paths, settings_file):
+def window(qtbot, qapp, app_paths, settings_file, capture_store):
     """A shown window with its own engine thread; closed and joined at the end whatever the test did."""
-    client = EngineClient(app_paths, threads=2, serve=serve_api)   # as run_app wires it
+    # As run_app wires it, INSERT's passes in the app's store (the run's one: capture_store).
+    client = EngineClient(app_paths, threads=2, serve=serve_api, capture_store=capture_store)
     win = MainWindow(client, QSettings(str(settings_file), QSettings.IniFormat), qapp)
     win.show()
     win.activateWindow()   # shortcuts fire only in the active window

@@ -31,9 +31,9 @@ CHAT_TOKENS = CHAT_PROBE_TOKENS      # the probe table's chat row reads as many
 
 
 @pytest.fixture(scope="module")
-def saved_patch(smollm2, tmp_path_factory):
+def saved_patch(smollm2, tmp_path_factory, capture_store):
     """One real INSERT of the module's fact (no paraphrases), saved as a patch file for the window to load."""
-    engine = LarqlEngine(smollm2)
+    engine = LarqlEngine(smollm2, capture_store=capture_store)
     result = engine.insert(FACT)
     path = tmp_path_factory.mktemp("patches") / "atlantis.json"
     result.patch.save(path)

@@ -26,8 +26,8 @@ TOKEN = "s3cret-token-for-tests-0123456789"
 
 
 @pytest.fixture
-def served(smollm2, tmp_path):
-    engine = LarqlEngine(smollm2, l3=SqliteL3(tmp_path / "l3.sqlite3"))
+def served(smollm2, tmp_path, capture_store):
+    engine = LarqlEngine(smollm2, l3=SqliteL3(tmp_path / "l3.sqlite3"), capture_store=capture_store)
     handle = start_server(engine, "127.0.0.1", 0)
     yield engine, handle
     handle.stop()
