@@ -67,6 +67,14 @@ def decode_vector(text, length: int, where: str) -> np.ndarray:
     return v
 
 
+
+def row_by_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b with each row of the product computed alone, so a row gets the same bits whatever rows come with it
+    (numpy's BLAS product sums a lone row in another order than a block of rows): an override's share of the
+    FFN is then the same for a position alone, in a prompt, or among other passes' rows (model/together.py).
+    The overrides are a few dozen columns at most, so the unblocked sum costs microseconds."""
+    return np.einsum("td,dn->tn", a, b)
+
 @dataclass(frozen=True)
 class PatchOperation:
     op: str                          # insert | update | delete
@@ -284,7 +292,7 @@ class LayerOverrides:
 
     def scores(self, x: np.ndarray) -> np.ndarray:
         """The overrides' biased gate scores (T, n) for normed FFN inputs `x` (T, d): what `holding` reads."""
-        return x @ self.gate.T + self.gate_bias
+        return row_by_row(x, self.gate.T) + self.gate_bias
 
     def inserted_holding(self, x: np.ndarray) -> np.ndarray:
         """Where each inserted (gated) feature takes its slot (T, n) bool for inputs `x`; plain overrides, which
