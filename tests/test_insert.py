@@ -111,8 +111,8 @@ def test_shared_work_gives_what_each_context_alone_gives(smollm2):
     added = step_pair(layer, slots, gate, bias, up, direction * 256.0, Fact("France", "capital-of", "Lyon"),
                       target, 0)
     patched = PatchOverlay.build((Patch(added, smollm2.name, smollm2.checksum),), engine.base_weights)
-    whole = ins.recapture(ids, ins.capture(ids, clean), layer, patched)
-    partial = ins.recapture(ids, ins.capture(ids, clean), layer, patched, added)
+    whole, = ins.recapture_all([ids], [ins.capture(ids, clean)], layer, patched)
+    partial, = ins.recapture_all([ids], [ins.capture(ids, clean)], layer, patched, added)
     assert int(np.argmax(partial.logits)) == int(np.argmax(whole.logits))
     assert int(np.argmax(partial.logits)) == target != int(np.argmax(captured.logits))   # the feature wrote it
     for i in range(layer + 1, n_layers):
@@ -325,8 +325,8 @@ def test_word_ends_tells_a_new_word_from_more_of_the_same(smollm2):
 
 
 def test_resumed_and_extended_captures_match_whole_passes(smollm2, capture_store):
-    """recapture re-runs only the layers after a changed FFN; it must equal a whole pass exactly. extend adds
-    tokens on the KV cache: equal to a whole pass up to the graphs' prefill-versus-decode rounding."""
+    """recapture_all re-runs only the layers after a changed FFN; it must equal a whole pass exactly. extend_all
+    adds tokens on the KV cache: equal to a whole pass up to the graphs' prefill-versus-decode rounding."""
     engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True), capture_store=capture_store)
     ins = engine.inserter()
     result = engine.insert(Fact("Brindlewick", "mayor-of", "Ottoline"))
@@ -334,7 +334,7 @@ def test_resumed_and_extended_captures_match_whole_passes(smollm2, capture_store
     ids = tuple(ins.encode("The mayor of Brindlewick is"))
     base = ins.capture(ids, type(patched)())
     first = min(op.layer for op in result.patch.operations)
-    resumed = ins.recapture(ids, base, first, patched)
+    resumed, = ins.recapture_all([ids], [base], first, patched)
     whole = ins.capture(ids, patched)
     assert len(resumed.inputs) == len(whole.inputs) == smollm2.config.n_layers
     for a, b in zip(resumed.inputs, whole.inputs):
@@ -343,7 +343,7 @@ def test_resumed_and_extended_captures_match_whole_passes(smollm2, capture_store
     # The patch moved the layers after its first one: resuming from there is not a no-op.
     assert not np.array_equal(base.logits, whole.logits)
     more = tuple(result.target_tokens[:1])
-    extended = ins.extend(ids, whole, more, patched)
+    extended, = ins.extend_all([ids], [whole], more, patched)
     reference = ins.capture(ids + more, patched)
     for a, b in zip(extended.inputs, reference.inputs):
         assert a.shape == b.shape and np.abs(a - b).max() < 0.25

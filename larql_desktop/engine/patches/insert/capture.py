@@ -18,7 +18,8 @@ from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.generation import greedy
 from larql_desktop.engine.model.overlay import PatchOperation, PatchOverlay
-from larql_desktop.engine.model.transformer import KvCache, zeroed_layer_pairs
+from larql_desktop.engine.model.together import Resumed, Run, forward_together, resume_together
+from larql_desktop.engine.model.transformer import KvCache, LayerRecord, zeroed_layer_pairs
 from larql_desktop.engine.patches.insert.capture_store import CaptureStore, StoredCapture
 
 CONTINUATION_TOKENS = 10
@@ -38,7 +39,7 @@ CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
 # `written_inputs` pass resumes from is kept in single precision, with its residual: the resumed layers read it as
 # the pass made it.
 REMEMBERED_DTYPE = np.float16
-FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture` re-runs from the first position scoring above minus this
+FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture_all` re-runs from the first position scoring above minus this
 
 
 class GreedyRequest(NamedTuple):
@@ -74,7 +75,7 @@ def copy_rows(source: KvCache, kv: KvCache, length: int) -> None:
 
 class Captured(NamedTuple):
     """One context's pass: per layer the normed FFN input (T, d), the last position's logits, the KV cache, and
-    per layer the residual after attention (T, d) that `Inserter.recapture` resumes from."""
+    per layer the residual after attention (T, d) that `Inserter.recapture_all` resumes from."""
     inputs: list
     logits: np.ndarray
     kv: KvCache
@@ -402,41 +403,38 @@ class Capturing:
 
     def capture_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay,
                     stop: "Cancel | None" = None) -> list["Captured"]:
-        """`capture` of every context, each shared prefix run once: the contexts are taken in sorted order
-        (where each one's longest common prefix with the ones before it is the one with its predecessor) and
-        each runs only its tokens past that prefix, on a copy of its predecessor's KV cache (the prefix's rows
-        of every layer are the predecessor's: the pass is causal). The positives share much: every chat question
-        starts with the template's system turn, and each is captured bare and with two or three answer starts
-        (about a third of their tokens are distinct)."""
-        out: list[Captured | None] = [None] * len(contexts)
+        """`capture` of every context, run together (model/together.py) and each shared prefix run once: the
+        contexts are taken in sorted order (where each one's longest common prefix with the ones before it is
+        the one with its predecessor) and each runs only its tokens past that prefix, on its predecessor's KV
+        rows (the prefix's rows of every layer are the predecessor's: the pass is causal). The positives share
+        much: every chat question starts with the template's system turn, and each is captured bare and with
+        two or three answer starts (about a third of their tokens are distinct)."""
+        if stop is not None:
+            stop.check()
+        order = sorted(range(len(contexts)), key=lambda i: tuple(contexts[i]))
+        runs: list[Run] = []
+        recorded: list[tuple[list, list]] = []
         previous: tuple[int, ...] = ()
-        source: Captured | None = None
-        for i in sorted(range(len(contexts)), key=lambda i: tuple(contexts[i])):
-            if stop is not None:
-                stop.check()
+        for i in order:
             ids = tuple(contexts[i])
-            shared = common_prefix(previous, ids)
-            if source is None or shared == 0:
-                captured = self.capture(ids, overlay)
-            else:
-                captured = self._capture_after(ids, shared, source, overlay)
-            out[i] = captured
-            previous, source = ids, captured
+            shared = common_prefix(previous, ids) if runs else 0
+            residuals: list[np.ndarray] = []
+            inputs: list[np.ndarray] = []
+            recorded.append((residuals, inputs))
+            runs.append(Run(ids[shared:], KvCache(self.model.config, capacity=len(ids) + 2),
+                            _collecting(residuals, inputs), len(runs) - 1 if shared else None, shared))
+            previous = ids
+        logits = forward_together(self.model.transformer, runs, self.ffn(overlay))
+        out: list[Captured | None] = [None] * len(contexts)
+        made: list[Captured] = []
+        for k, (i, run, (residuals, inputs)) in enumerate(zip(order, runs, recorded)):
+            if run.prefix_of is not None:       # the prefix's rows are the predecessor's
+                source = made[run.prefix_of]
+                residuals = [np.concatenate([h[:run.shared], mine]) for h, mine in zip(source.residuals, residuals)]
+                inputs = [np.concatenate([x[:run.shared], mine]) for x, mine in zip(source.inputs, inputs)]
+            made.append(Captured(inputs, logits[k], run.kv, residuals))
+            out[i] = made[-1]
         return [c for c in out if c is not None]
-
-    def _capture_after(self, ids: Sequence[int], shared: int, source: "Captured", overlay: PatchOverlay) -> Captured:
-        """The capture of `ids` whose first `shared` positions are `source`'s (a capture under the same overlay of
-        a context with the same first `shared` tokens): its KV rows copied, the rest run on them."""
-        kv = KvCache(self.model.config, capacity=len(ids) + 2)
-        copy_rows(source.kv, kv, shared)
-        inputs = [x[:shared] for x in source.inputs]
-        residuals = [h[:shared] for h in source.residuals]
-
-        def record(i, h, x):
-            residuals[i] = np.concatenate([residuals[i], h])
-            inputs[i] = np.concatenate([inputs[i], x])
-        logits = self.model.transformer.forward(list(ids[shared:]), kv, self.ffn(overlay), record=record)[-1]
-        return Captured(inputs, logits, kv, residuals)
 
     def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
         """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
@@ -451,51 +449,85 @@ class Capturing:
         logits = self.model.transformer.forward(list(ids), kv, self.ffn(overlay), record=record)[-1]
         return Captured(inputs, logits, kv, residuals)
 
-    def recapture(self, ids: Sequence[int], captured: "Captured", layer: int, overlay: PatchOverlay,
-                  added: Sequence[PatchOperation] = ()) -> "Captured":
-        """`captured` (of `ids`, under an overlay that differed from `overlay` only at `layer` and later) brought
-        up to `overlay`: the layers after `layer` re-run from its recorded state, the ones before kept. A few
-        of 30 layers instead of a whole pass per context, each time INSERT adds a layer's write. With `added`
-        (the gated features `overlay` adds at `layer`, and nothing else changed), only the positions from the
-        first where one of them holds its slot are re-run: the ones before compute what they computed (an
-        inserted feature leaves its slot to the base feature where its gate is not positive, and a position
-        depends on none after it), and they are most of a context, since a key fires where the answer starts."""
-        first = 0
-        if added and all(op.layer == layer and op.gate_bias is not None for op in added):
-            x = captured.inputs[layer]
-            fires = np.zeros(x.shape[0], bool)
-            for op in added:
-                # A hair below zero counts too: the overlay computes the same score in its own order of sums.
-                fires |= x @ op.gate + np.float32(op.gate_bias) > -FIRING_TOLERANCE
-            if not fires.any():
-                return captured
-            first = int(np.argmax(fires))
-        kv = captured.kv
-        kv.truncate(min(kv.length, len(ids)))
-        if kv.length != len(ids):      # a balance trial left the last position out: run it whole
-            return self.capture(ids, overlay)
-        inputs = [x if i <= layer else x[:first] for i, x in enumerate(captured.inputs)]
-        residuals = [h if i <= layer else h[:first] for i, h in enumerate(captured.residuals)]
+    @staticmethod
+    def _first_changed(captured: "Captured", layer: int, added: Sequence[PatchOperation]) -> int | None:
+        """The first position of `captured` whose pass changes when `added` (gated features at `layer`) join the
+        overlay: the first where one of them fires; None where none does. 0 when `added` is not only that."""
+        if not (added and all(op.layer == layer and op.gate_bias is not None for op in added)):
+            return 0
+        x = captured.inputs[layer]
+        fires = np.zeros(x.shape[0], bool)
+        for op in added:
+            # A hair below zero counts too: the overlay computes the same score in its own order of sums.
+            fires |= x @ op.gate + np.float32(op.gate_bias) > -FIRING_TOLERANCE
+        return int(np.argmax(fires)) if fires.any() else None
 
-        def record(i, h, x):
-            residuals[i] = np.concatenate([residuals[i], h]) if first else h
-            inputs[i] = np.concatenate([inputs[i], x]) if first else x
-        logits = self.model.transformer.resume(layer, captured.residuals[layer][first:],
-                                               captured.inputs[layer][first:], kv, self.ffn(overlay),
-                                               record=record)[-1]
-        return Captured(inputs, logits, kv, residuals)
+    def recapture_all(self, contexts: Sequence[Sequence[int]], captured: Sequence["Captured"], layer: int,
+                      overlay: PatchOverlay, added: Sequence[PatchOperation] = ()) -> list["Captured"]:
+        """Each of `captured` (of `contexts`, under an overlay that differed from `overlay` only at `layer` and
+        later) brought up to `overlay`: the layers after `layer` re-run from its recorded state, the ones before
+        kept. A few of 30 layers instead of a whole pass per context, each time INSERT adds a layer's write.
+        With `added` (the gated features `overlay` adds at `layer`, and nothing else changed), only the
+        positions from the first where one of them holds its slot are re-run: the ones before compute what they
+        computed (an inserted feature leaves its slot to the base feature where its gate is not positive, and a
+        position depends on none after it), and they are most of a context, since a key fires where the answer
+        starts. The passes run together (model/together.py)."""
+        out: list[Captured | None] = list(captured)
+        resumed, where, whole = [], [], []
+        for k, (ids, c) in enumerate(zip(contexts, captured)):
+            first = self._first_changed(c, layer, added)
+            if first is None:
+                continue
+            c.kv.truncate(min(c.kv.length, len(ids)))
+            if c.kv.length != len(ids):      # a balance trial left the last position out: run it whole
+                whole.append(k)
+                continue
+            inputs = [x if i <= layer else x[:first] for i, x in enumerate(c.inputs)]
+            residuals = [h if i <= layer else h[:first] for i, h in enumerate(c.residuals)]
+            resumed.append(Resumed(c.residuals[layer][first:], c.inputs[layer][first:], c.kv,
+                                   _appending(residuals, inputs)))
+            where.append((k, inputs, residuals))
+        for (k, inputs, residuals), logits in zip(where, resume_together(self.model.transformer, layer, resumed,
+                                                                          self.ffn(overlay))):
+            out[k] = Captured(inputs, logits, captured[k].kv, residuals)
+        for k, c in zip(whole, self.capture_all([contexts[k] for k in whole], overlay)):
+            out[k] = c
+        return [c for c in out if c is not None]
 
-    def extend(self, ids: Sequence[int], captured: Captured, more: Sequence[int], overlay: PatchOverlay) -> Captured:
-        """The capture of `ids` + `more`, from `captured` (of `ids`, under `overlay`) and a pass over `more` on its
-        KV cache. The cache is shared with `captured`: its later positions are rewritten."""
-        kv = captured.kv
-        kv.truncate(min(kv.length, len(ids)))
-        if kv.length != len(ids) or not more:
-            return self.capture(tuple(ids) + tuple(more), overlay)
-        inputs, residuals = list(captured.inputs), list(captured.residuals)
+    def extend_all(self, contexts: Sequence[Sequence[int]], captured: Sequence["Captured"], more: Sequence[int],
+                   overlay: PatchOverlay) -> list["Captured"]:
+        """The captures of each context + `more`, from its capture in `captured` (under `overlay`) and a pass over
+        `more` on its KV cache, the passes run together. The caches are shared with `captured`: their later
+        positions are rewritten."""
+        out: list[Captured | None] = [None] * len(contexts)
+        runs, where, whole = [], [], []
+        for k, (ids, c) in enumerate(zip(contexts, captured)):
+            c.kv.truncate(min(c.kv.length, len(ids)))
+            if c.kv.length != len(ids) or not more:
+                whole.append(k)
+                continue
+            inputs, residuals = list(c.inputs), list(c.residuals)
+            runs.append(Run(more, c.kv, _appending(residuals, inputs)))
+            where.append((k, inputs, residuals))
+        for (k, inputs, residuals), logits in zip(where, forward_together(self.model.transformer, runs,
+                                                                          self.ffn(overlay))):
+            out[k] = Captured(inputs, logits, captured[k].kv, residuals)
+        for k, c in zip(whole, self.capture_all([tuple(contexts[k]) + tuple(more) for k in whole], overlay)):
+            out[k] = c
+        return [c for c in out if c is not None]
 
-        def record(i, h, x):
-            residuals[i] = np.concatenate([residuals[i], h])
-            inputs[i] = np.concatenate([inputs[i], x])
-        logits = self.model.transformer.forward(list(more), kv, self.ffn(overlay), record=record)[-1]
-        return Captured(inputs, logits, kv, residuals)
+
+def _collecting(residuals: list, inputs: list) -> LayerRecord:
+    """A `record` that lists each layer's rows (called once per layer, in order)."""
+    def record(i, h, x):
+        residuals.append(h)
+        inputs.append(x)
+    return record
+
+
+def _appending(residuals: list, inputs: list) -> LayerRecord:
+    """A `record` that appends each layer's new rows to the ones kept (none kept: the new rows alone)."""
+    def record(i, h, x):
+        residuals[i] = np.concatenate([residuals[i], h]) if len(residuals[i]) else h
+        inputs[i] = np.concatenate([inputs[i], x]) if len(inputs[i]) else x
+    return record

@@ -13,6 +13,7 @@ from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.loading import LoadedModel
 from larql_desktop.engine.model.overlay import (BaseFeatureWeights, LayerOverrides, Patch, PatchOperation,
                                                 PatchOverlay)
+from larql_desktop.engine.model.together import Run, forward_together
 from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
@@ -211,8 +212,7 @@ class Inserter(Contexts, Values):
             what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
             report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
             if previous[2]:       # the last step's passes (current under `overlay`) and the tokens since
-                captured = [self.extend(ids, c, targets[previous[0]:j], overlay)
-                            for ids, c in zip(previous[1], previous[2])]
+                captured = self.extend_all(previous[1], previous[2], targets[previous[0]:j], overlay)
                 if len(contexts) > len(captured):     # the reply starts begun bare, from this step on
                     captured += self.capture_all(contexts[len(captured):], overlay, stop)
             else:
@@ -288,8 +288,7 @@ class Inserter(Contexts, Values):
                 overlay = self.overlay_with(current, ops, fact)
                 # The next layer adds its own push on top of this one, and the next step starts from here.
                 if share < WIN_SHARE or j < boundary:
-                    captured = [self.recapture(ids, c, candidate, overlay, added)
-                                for ids, c in zip(contexts, captured)]
+                    captured = self.recapture_all(contexts, captured, candidate, overlay, added)
                 if share >= WIN_SHARE:
                     break
             previous = (j, contexts, captured)
@@ -390,13 +389,14 @@ class Inserter(Contexts, Values):
         the conversations, and there the model was seen to run the word on ("Starfall" -> "Starfallen") where
         the plain phrasings end it; a conversation it ends by a hair stands for others, unseen, where it does
         not ("Vesoria" -> "Vesoriaa" after another earlier turn)."""
-        ffn = self.ffn(overlay)
         bound = {*range(1, always), *also}
+        asked = sorted({*spread(len(captured), always), *also})
+        runs = []
+        for i in asked:
+            captured[i].kv.truncate(len(contexts[i]) - 1)
+            runs.append(Run([contexts[i][-1], *tail], captured[i].kv))
         won = []
-        for i in sorted({*spread(len(captured), always), *also}):
-            ids, kv = contexts[i], captured[i].kv
-            kv.truncate(len(ids) - 1)
-            logits = self.model.transformer.forward([ids[-1], *tail], kv, ffn)[-1]
+        for i, logits in zip(asked, forward_together(self.model.transformer, runs, self.ffn(overlay))):
             won.append(wins(int(np.argmax(logits))))
             if i in bound and not wins_clearly(logits):
                 return 0.0

@@ -9,6 +9,7 @@ import numpy as np
 
 from larql_desktop.engine.formats.quants import dequantize, dequantize_rows
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOverlay
+from larql_desktop.engine.model.together import Resumed, resume_together
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, Capturing, softmax
 
 # Share of the positives the target must win on (greedy) before a scale is accepted.
@@ -132,8 +133,8 @@ class Values(Capturing):
         """The smallest value scale on the SCALES ladder at which the next token wins (`wins`, given its logits)
         on WIN_SHARE of a spread of the contexts (and on every paraphrase the user typed), with some headroom;
         the best scale found when none does. Each trial re-runs each context's last position from `layer`
-        (where the trial writes) on, from its capture. Returns (scale, share won, forward passes spent)."""
-        transformer = self.model.transformer
+        (where the trial writes) on, from its capture, all of them together (model/together.py). Returns
+        (scale, share won, forward passes spent)."""
         prefixes = []
         for i in sorted({*spread(len(contexts), always), *also}):
             c = captured[i]
@@ -142,21 +143,20 @@ class Values(Capturing):
         scales = [s * alpha / 0.1 for s in SCALES]
 
         def share_at(scale: float, need: float | None = None) -> float:
-            """The share won at `scale`; with `need`, the check stops as soon as the share cannot reach it (and
-            then returns one below it): the callers that only ask whether a scale reaches `need` read no more."""
+            """The share won at `scale`; with `need`, one below `need` when the share does not reach it (or a
+            paraphrase the user typed loses): the callers that only ask whether a scale reaches `need` read no
+            more."""
             nonlocal spent
             ops_overlay = PatchOverlay.build(overlay.patches + (Patch(tuple(op_for(scale)), "", ""),), self.base)
-            ffn = self.ffn(ops_overlay)
-            won: list[bool] = []
-            for kv, length, h, x in prefixes:
+            for kv, length, _, _ in prefixes:
                 kv.truncate(length)
-                won.append(wins(transformer.resume(layer, h, x, kv, ffn)[-1]))
-                spent += 1
-                if need is not None and (
-                        (sum(won) + len(prefixes) - len(won)) / len(prefixes) < need
-                        or (need >= WIN_SHARE and not all(won[1:always]))):
-                    return float(np.nextafter(need, -np.inf))
+            resumed = [Resumed(h, x, kv) for kv, _, h, x in prefixes]
+            won = [wins(logits) for logits in resume_together(self.model.transformer, layer, resumed,
+                                                               self.ffn(ops_overlay))]
+            spent += len(won)
             share = float(np.mean(won))
+            if need is not None and (share < need or (need >= WIN_SHARE and not all(won[1:always]))):
+                return float(np.nextafter(need, -np.inf))
             # A scale that loses a paraphrase the user typed is no success, whatever the share (spread lists
             # those first; the canonical prompt, index 0, has rescue_canonical).
             return share if all(won[1:always]) else min(share, np.nextafter(WIN_SHARE, 0.0))

@@ -1,0 +1,176 @@
+"""Passes of several contexts run together, layer by layer: each context's attention in its own layer graph call
+(its own KV cache and positions), then one FFN call over the rows of all of them, and one head call at the end.
+
+INSERT runs dozens of short passes over the same layers (a target token after each of ~90 contexts, a trial
+write's last position re-run from its layer): one at a time, each layer of each pass is two small graph calls,
+and most of their cost is the call. The FFN, the walk's and the dense one alike, computes each row on its own
+(the top K and the overlay's overrides are chosen per row), and its graphs give a row the same bits whether it
+comes alone or among others (tests/test_together.py), so the rows of many passes go through one call and every
+pass computes exactly what it computes alone. An FFN that looks rows up in a cache (the walk with an L1, L2 or
+L3) counts and stores per call: such passes run one at a time, as do passes of the numpy reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from larql_desktop.engine.model.transformer import FfnCall, KvCache, LayerRecord, TransformerModel, stepper_of
+
+
+class Run(NamedTuple):
+    """One context's pass in `forward_together`: `ids` after `kv`'s context, `record` as forward's. With
+    `prefix_of`, the index of an earlier run whose context begins with the same `shared` tokens as this one's and
+    whose cache already holds them or runs them: this cache takes that one's rows before `shared`, layer by layer
+    as they are written (the pass is causal), and `kv` holds `shared` positions when given."""
+    ids: Sequence[int]
+    kv: KvCache
+    record: LayerRecord | None = None
+    prefix_of: int | None = None
+    shared: int = 0
+
+
+class Resumed(NamedTuple):
+    """One pass in `resume_together`: `h` and `x` are what `record` gave for the layer it resumes from over the
+    kv cache's last T positions, as `TransformerModel.resume` takes them."""
+    h: np.ndarray
+    x: np.ndarray
+    kv: KvCache
+    record: LayerRecord | None = None
+
+
+@dataclass
+class _Pass:
+    """A pass between two layers: its residual going into the next layer and the FFN output of the one before."""
+    h: np.ndarray
+    f: np.ndarray | None
+    start: int
+    kv: KvCache
+    record: LayerRecord | None
+    scored: bool            # the layer graph hands the FFN its gate scores, as a lone pass of these rows would
+    prefix_of: int | None = None
+    shared: int = 0
+
+
+def runs_together(model: TransformerModel, ffn: FfnCall) -> bool:
+    """Whether passes under `ffn` may share its calls: the layer graphs run (not the numpy reference) and the FFN
+    looks nothing up per call (a walk without cache tiers, or a plain FFN)."""
+    tiers = getattr(ffn, "lookup_tiers", None)
+    return model.graphs is not None and not (tiers is not None and tiers())
+
+
+def forward_together(model: TransformerModel, runs: Sequence[Run], ffn: FfnCall) -> list[np.ndarray]:
+    """Each run's last position's logits (vocab,), as `model.forward(run.ids, run.kv, ffn, record=run.record)`
+    computes them, with the FFN and head calls shared by all runs."""
+    if not runs_together(model, ffn):
+        out = []
+        for run in runs:
+            if run.prefix_of is not None:
+                _copy_prefix(runs[run.prefix_of].kv, run.kv, run.shared)
+            out.append(model.forward(run.ids, run.kv, ffn, record=run.record)[-1])
+        return out
+    passes: list[_Pass] = []
+    for run in runs:
+        ids = np.asarray(run.ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("no tokens to run")
+        if ids.min() < 0 or ids.max() >= model.config.vocab_size:
+            raise ValueError(f"token id out of range for a vocabulary of {model.config.vocab_size}")
+        start = run.shared if run.prefix_of is not None else run.kv.length
+        if run.prefix_of is not None and not 0 <= run.prefix_of < len(passes):
+            raise ValueError("a run's prefix must come from a run before it")
+        run.kv.reserve(start + ids.size)
+        passes.append(_Pass(model.embed(ids), None, start, run.kv, run.record, _scored(ffn, ids.size),
+                            run.prefix_of, run.shared))
+    return _run_layers(model, passes, ffn, 0)
+
+
+def resume_together(model: TransformerModel, layer: int, resumed: Sequence[Resumed], ffn: FfnCall
+                    ) -> list[np.ndarray]:
+    """Each pass's last position's logits (vocab,), as `model.resume(layer, r.h, r.x, r.kv, ffn, record=r.record)`
+    computes them, with the FFN and head calls shared."""
+    if not resumed:
+        return []
+    if not runs_together(model, ffn):
+        return [model.resume(layer, r.h, r.x, r.kv, ffn, record=r.record)[-1] for r in resumed]
+    if not 0 <= layer < model.config.n_layers:
+        raise ValueError(f"layer must be within 0..{model.config.n_layers - 1}, not {layer}")
+    passes = []
+    for r in resumed:
+        start = r.kv.length - r.h.shape[0]
+        if start < 0:
+            raise ValueError(f"the kv cache holds {r.kv.length} positions, fewer than the {r.h.shape[0]} to resume")
+        passes.append(_Pass(r.h, None, start, r.kv, r.record, _scored(ffn, r.h.shape[0])))
+    # `resume` calls the plain FFN at the layer it resumes from, whatever the rows.
+    outputs = _split(ffn(layer, np.concatenate([r.x for r in resumed])), passes)
+    for p, f in zip(passes, outputs):
+        p.f = np.ascontiguousarray(f, dtype=np.float32)
+    return _run_layers(model, passes, ffn, layer + 1)
+
+
+def _scored(ffn: FfnCall, rows: int) -> bool:
+    stepper = stepper_of(ffn)
+    return stepper is not None and stepper.scored_ffn(rows) is not None
+
+
+def _copy_prefix(source: KvCache, kv: KvCache, shared: int, layer: int | None = None) -> None:
+    """Positions before `shared` of `source` into `kv`: every layer's (then `kv` holds them), or one layer's."""
+    layers = range(kv.config.n_layers) if layer is None else (layer,)
+    kv.reserve(shared)
+    for i in layers:
+        kv.keys[i][:, :shared] = source.keys[i][:, :shared]
+        kv.values[i][:, :shared] = source.values[i][:, :shared]
+    if layer is None:
+        kv.length = shared
+
+
+def _split(rows: np.ndarray, passes: Sequence[_Pass]) -> list[np.ndarray]:
+    sizes = np.cumsum([p.h.shape[0] for p in passes])[:-1]
+    return np.split(rows, sizes)
+
+
+def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, first: int) -> list[np.ndarray]:
+    """The layers from `first` on for every pass (its attention alone, the FFN for all rows of a kind at once:
+    the passes whose lone run would hand the FFN gate scores, and the others), then the head for all."""
+    cfg, graphs = model.config, model.graphs
+    if not passes:
+        return []
+    stepper = stepper_of(ffn)
+    # The FFN a lone pass of a scored pass's rows would be handed (the same call for any such count of rows).
+    scored_call = next((stepper.scored_ffn(p.h.shape[0]) for p in passes if p.scored), None) \
+        if stepper is not None else None
+    tables = [{base: model.rope.table(base, p.start + p.h.shape[0])
+               for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}} for p in passes]
+    for p in passes:
+        if p.f is None:
+            p.f = graphs.zeros(p.h.shape[0])
+    for i in range(first, cfg.n_layers):
+        inputs: dict[bool, list[np.ndarray]] = {False: [], True: []}
+        scores: list[np.ndarray] = []
+        for p, bases in zip(passes, tables):
+            if p.prefix_of is not None:
+                _copy_prefix(passes[p.prefix_of].kv, p.kv, p.shared, i)
+            cos, sin = bases[cfg.rope_base_for(i)]
+            with_scores = p.scored and graphs.has_gate_scores
+            ran = graphs.run_layer(i, p.h, p.f, p.kv.keys[i], p.kv.values[i], p.start, cos, sin,
+                                   gate_scores=with_scores)
+            p.h, x = ran[0], ran[1]
+            if with_scores:
+                scores.append(ran[2])
+            if p.record is not None:
+                p.record(i, p.h, x)
+            inputs[with_scores].append(x)
+        for with_scores, xs in inputs.items():
+            if not xs:
+                continue
+            kind = [p for p in passes if (p.scored and graphs.has_gate_scores) == with_scores]
+            rows = np.concatenate(xs)
+            out = scored_call(i, rows, np.concatenate(scores)) if with_scores and scored_call else ffn(i, rows)
+            for p, f in zip(kind, _split(out, kind)):
+                p.f = np.ascontiguousarray(f, dtype=np.float32)
+    for p in passes:
+        p.kv.length = p.start + p.h.shape[0]
+    logits = graphs.run_head(np.concatenate([p.h[-1:] for p in passes]),
+                             np.concatenate([p.f[-1:] for p in passes if p.f is not None]))
+    return list(logits)
