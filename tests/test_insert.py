@@ -69,6 +69,33 @@ def test_the_walks_base_continuations_decoded_together_are_each_ones_alone(smoll
     assert all(tokens for tokens in together)
 
 
+def test_prefetched_base_captures_are_the_ones_captured_alone(smollm2):
+    """An insert captures the base passes it will read (the negatives) together first: each is what a capture of
+    its context alone keeps, bit for bit (what is stored does not depend on which others were missing), one
+    remembered already is not captured again, and a cancelled prefetch stops before its first call."""
+    from larql_desktop.engine.patches.insert import Cancel, InsertCancelled
+
+    fact = Fact("Quellbrook", "founder-of", "Maren Ashdown")
+    layer = smollm2.config.n_layers // 2
+    alone = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    contexts = alone.base_negative_contexts(fact)[:5]
+    expected = [alone.base_inputs(ids, layer) for ids in contexts]
+    ins = LarqlEngine(smollm2, walk=WalkSettings(dense=True)).inserter()
+    with pytest.raises(InsertCancelled):
+        ins.prefetch_inputs([(ids, layer, None) for ids in contexts], Cancel(lambda: True))
+    assert not ins._remembered
+    ins.base_inputs(contexts[0], layer)
+    first = ins._remembered[tuple(contexts[0])]
+    ins.prefetch_inputs([(ids, layer, None) for ids in contexts], Cancel(None))
+    assert ins._remembered[tuple(contexts[0])] is first          # remembered: not captured again
+    for ids, inputs in zip(contexts, expected):
+        got = ins.base_inputs(ids, layer)
+        assert [x is None for x in got] == [i < layer for i in range(smollm2.config.n_layers)]
+        for a, b in zip(got, inputs):
+            if b is not None:
+                np.testing.assert_array_equal(a, b)
+
+
 def test_shared_work_gives_what_each_context_alone_gives(smollm2):
     """The work INSERT shares between its contexts: base continuations decoded together (prompts that share the
     chat template's turns run past the shared prefix) are the one-at-a-time greedy's, token for token; captures

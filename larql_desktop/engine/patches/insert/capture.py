@@ -39,6 +39,7 @@ CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
 # `written_inputs` pass resumes from is kept in single precision, with its residual: the resumed layers read it as
 # the pass made it.
 REMEMBERED_DTYPE = np.float16
+PREFETCH_CONTEXTS = 16    # base captures run together by prefetch_inputs (~90 MB of rows in flight at a time)
 FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture_all` re-runs from the first position scoring above minus this
 
 
@@ -333,6 +334,32 @@ class Capturing:
         """`base_inputs`' memory of `ids`, captured now if it is not remembered from `from_layer` on (or, with
         `residual_at`, without the residual at that layer)."""
         key = tuple(ids)
+        known = self._recalled(key, from_layer, residual_at)
+        if known is not None:
+            return known
+        return self._kept(key, self.capture(key, PatchOverlay()), from_layer, residual_at)
+
+    def prefetch_inputs(self, wanted: Sequence[tuple[Sequence[int], int, int | None]], stop: "Cancel") -> None:
+        """The base passes `_remembered_capture` is about to be asked for ((ids, from_layer, residual_at) each)
+        that are neither remembered nor stored, captured together (model/together.py), PREFETCH_CONTEXTS at a
+        time: the negatives of an insert under a relation not seen before are ~45 contexts. Each runs whole, as
+        `capture` runs it alone (the same bits: what is kept does not depend on which others were missing)."""
+        missing: dict[tuple[int, ...], tuple[int, int | None]] = {}
+        for ids, from_layer, residual_at in wanted:
+            key = tuple(ids)
+            if key not in missing and self._recalled(key, from_layer, residual_at) is None:
+                missing[key] = (from_layer, residual_at)
+        items = list(missing.items())
+        for i in range(0, len(items), PREFETCH_CONTEXTS):
+            stop.check()
+            chunk = items[i:i + PREFETCH_CONTEXTS]
+            captured = self.capture_all([key for key, _ in chunk], PatchOverlay(), share_prefixes=False)
+            for (key, (from_layer, residual_at)), c in zip(chunk, captured):
+                self._kept(key, c, from_layer, residual_at)
+
+    def _recalled(self, key: tuple[int, ...], from_layer: int, residual_at: int | None) -> RememberedInputs | None:
+        """The remembered capture of `key` that covers `from_layer` (and `residual_at`), read from the capture
+        store into memory if only it holds one; None when neither does."""
         known = self._remembered.get(key)
         if known is not None and _covers(known, from_layer, residual_at):
             self._remembered.move_to_end(key)
@@ -341,12 +368,17 @@ class Capturing:
         stored = store.get(namespace, key) if store is not None and namespace is not None else None
         if stored is not None and _covers(stored, from_layer, residual_at):
             return self._remember(key, stored.from_layer, stored.inputs, stored.residual)
+        return None
+
+    def _kept(self, key: tuple[int, ...], captured: "Captured", from_layer: int, residual_at: int | None
+              ) -> RememberedInputs:
+        """A fresh base capture of `key`, remembered and stored from `from_layer` on."""
         # Each layer's inputs are an array of their own (the pass's record), so keeping some lets the rest go.
-        captured = self.capture(key, PatchOverlay())
         # The layer a pass resumes from stays single precision: the resumed layers read it as the pass made it.
         inputs = [None if i < from_layer else x if i == residual_at else x.astype(REMEMBERED_DTYPE)
                   for i, x in enumerate(captured.inputs)]
         residual = None if residual_at is None else (residual_at, captured.residuals[residual_at])
+        store, namespace = self.capture_store, self.capture_namespace()
         if store is not None and namespace is not None:
             store.put(namespace, key, StoredCapture(from_layer, inputs, residual))
         return self._remember(key, from_layer, inputs, residual)
@@ -382,13 +414,12 @@ class Capturing:
         scored -45 on another fact's question in the base model and +13 under the overlay). The layers before
         the overlay's first compute what the base model computes, so the pass resumes there from the
         remembered base capture (a quarter of a pass on SmolLM2, where facts sit at layers 23-26)."""
-        layers = overlay.overridden_layers
-        if not layers:
-            return self.base_inputs(ids, from_layer)
-        first = layers[0]
-        if first < from_layer:          # a layer pinned below the keys' range: the whole pass
+        first = self.written_resume_layer(overlay, from_layer)
+        if first is None and overlay.overridden_layers:     # a layer pinned below the keys' range: the whole pass
             captured = self.capture(tuple(ids), overlay)
             return [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        if first is None:
+            return self.base_inputs(ids, from_layer)
         known = self._remembered_capture(ids, from_layer, residual_at=first)
         inputs = list(known.inputs)
         kv = KvCache(self.model.config, capacity=len(ids) + 2)
@@ -401,14 +432,23 @@ class Capturing:
                                       record=record)
         return inputs
 
+    @staticmethod
+    def written_resume_layer(overlay: PatchOverlay, from_layer: int) -> int | None:
+        """The layer `written_inputs` resumes its passes from under `overlay` (its first overridden one); None
+        where it resumes none: no override (the base capture is the pass), or one below `from_layer` (the whole
+        pass runs under the overlay)."""
+        layers = overlay.overridden_layers
+        return layers[0] if layers and layers[0] >= from_layer else None
+
     def capture_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay,
-                    stop: "Cancel | None" = None) -> list["Captured"]:
+                    stop: "Cancel | None" = None, share_prefixes: bool = True) -> list["Captured"]:
         """`capture` of every context, run together (model/together.py) and each shared prefix run once: the
         contexts are taken in sorted order (where each one's longest common prefix with the ones before it is
         the one with its predecessor) and each runs only its tokens past that prefix, on its predecessor's KV
         rows (the prefix's rows of every layer are the predecessor's: the pass is causal). The positives share
         much: every chat question starts with the template's system turn, and each is captured bare and with
-        two or three answer starts (about a third of their tokens are distinct)."""
+        two or three answer starts (about a third of their tokens are distinct). Without `share_prefixes`, each
+        context runs whole, as `capture` runs it alone."""
         if stop is not None:
             stop.check()
         order = sorted(range(len(contexts)), key=lambda i: tuple(contexts[i]))
@@ -417,7 +457,7 @@ class Capturing:
         previous: tuple[int, ...] = ()
         for i in order:
             ids = tuple(contexts[i])
-            shared = common_prefix(previous, ids) if runs else 0
+            shared = common_prefix(previous, ids) if runs and share_prefixes else 0
             residuals: list[np.ndarray] = []
             inputs: list[np.ndarray] = []
             recorded.append((residuals, inputs))
@@ -439,15 +479,7 @@ class Capturing:
     def capture(self, ids: Sequence[int], overlay: PatchOverlay) -> Captured:
         """Normed FFN inputs (T, d) of every layer, the last position's logits and the KV cache, for one context.
         Users of the KV cache truncate it to the length they need first."""
-        inputs: list[np.ndarray] = []
-        residuals: list[np.ndarray] = []
-
-        def record(i, h, x):
-            residuals.append(h)
-            inputs.append(x)
-        kv = KvCache(self.model.config, capacity=len(ids) + 2)
-        logits = self.model.transformer.forward(list(ids), kv, self.ffn(overlay), record=record)[-1]
-        return Captured(inputs, logits, kv, residuals)
+        return self.capture_all([ids], overlay, share_prefixes=False)[0]
 
     @staticmethod
     def _first_changed(captured: "Captured", layer: int, added: Sequence[PatchOperation]) -> int | None:

@@ -155,25 +155,32 @@ class Inserter(Contexts, Values):
         candidates = key_layers(cfg.n_layers, self.post_ffn_norm(0) is not None)
         if layer is not None:
             candidates = [layer] + [c for c in candidates if c != layer]
+        lowest = min(candidates)        # keys go no lower
+        replies = self.invented_reply_contexts(fact)
+        invented = self.invented_negative_contexts(fact)
+        # Every base pass the loops below read, the ones neither remembered nor stored captured together first.
+        resumed_at = self.written_resume_layer(current, lowest)
+        self.prefetch_inputs([(ids, lowest, None) for ids in (*negatives, *(ids for ids, _ in replies), *invented)]
+                             + [(ids, lowest, resumed_at) for ids in written], stop)
         negative_inputs = []
         for ids in negatives:
             stop.check()
-            negative_inputs.append(self.base_inputs(ids, min(candidates)))     # keys go no lower
-        for ids, first in self.invented_reply_contexts(fact):      # hard negatives only past the reply's answer
+            negative_inputs.append(self.base_inputs(ids, lowest))
+        for ids, first in replies:      # hard negatives only past the reply's answer
             stop.check()
-            negative_inputs.append([x if x is None else x[first:] for x in self.base_inputs(ids, min(candidates))])
+            negative_inputs.append([x if x is None else x[first:] for x in self.base_inputs(ids, lowest)])
         invented_inputs = []
-        for ids in self.invented_negative_contexts(fact):
+        for ids in invented:
             stop.check()
-            invented_inputs.append(self.base_inputs(ids, min(candidates)))
+            invented_inputs.append(self.base_inputs(ids, lowest))
         for ids in written:        # where earlier facts write: under the overlay they write with
             stop.check()
-            negative_inputs.append(self.written_inputs(ids, current, min(candidates)))
+            negative_inputs.append(self.written_inputs(ids, current, lowest))
             if current.overridden_layers:
                 # And as they read once that fact's patch is removed and this one stays: its question with no
                 # answer written must not wake this key either. The remembered base pass written_inputs resumed
                 # from (a pass of its own only where an earlier patch writes below the keys' range).
-                negative_inputs.append(self.base_inputs(ids, min(candidates)))
+                negative_inputs.append(self.base_inputs(ids, lowest))
         # At a reply's start the model begins the word without its space ("G|ild|mere" where the target's tokens
         # are " G|ild|mere"): the later tokens' keys must fire after that first token too, in every reply start.
         bare = self.bare_first_token(targets[0])
