@@ -83,27 +83,35 @@ def fisher_key(pos: np.ndarray, neg: np.ndarray, required: int = 1, also: Sequen
     52 -> 42 of 60 conversations answered), where a name with no answer of its own loses little when the key
     fires on it."""
     pos = pos.astype(np.float64)
-    neg = neg.astype(np.float64)
-    hard = len(neg)
+    # The negatives (thousands of rows) stay single precision, as the FFN inputs are: their second moment is one
+    # single-precision product summed into double (a double copy and product of ~6,000 rows cost ~0.5 s a solve
+    # here; the ridge dwarfs the difference), the hard rows and the yielding ones apart (no joined copy).
+    parts = [np.asarray(neg, np.float32)]
     if yielding is not None and len(yielding):
-        neg = np.concatenate([neg, yielding.astype(np.float64)])
+        parts.append(np.asarray(yielding, np.float32))
+    hard_rows = parts[0]
+    hard = len(hard_rows)
     # Per-class sums, so a round of reweighting costs a rank-k update of the negatives' second moment, not a
     # pass over thousands of rows.
     mu_p = pos.mean(0)
     cov_p = np.cov(pos, rowvar=False) if len(pos) > 1 else np.zeros((pos.shape[1],) * 2)
-    sum_n, moment_n = neg.sum(0), neg.T @ neg
+    sum_n = sum(part.sum(0, dtype=np.float64) for part in parts)
+    moment_n = sum((part.T @ part).astype(np.float64) for part in parts)
+    count = sum(len(part) for part in parts)
     weights = np.ones(hard)
     best: tuple | None = None
     for _ in range(max(1, rounds)):
         boosted = np.flatnonzero(weights > 1)
         extra = weights[boosted] - 1.0
-        total = len(neg) + float(extra.sum())
-        mu_n = (sum_n + extra @ neg[boosted]) / total
-        cov_n = (moment_n + (neg[boosted] * extra[:, None]).T @ neg[boosted]) / total - np.outer(mu_n, mu_n)
+        total = count + float(extra.sum())
+        rows = hard_rows[boosted].astype(np.float64)
+        mu_n = (sum_n + extra @ rows) / total
+        cov_n = (moment_n + (rows * extra[:, None]).T @ rows) / total - np.outer(mu_n, mu_n)
         cov = cov_p + cov_n
         ridge = RIDGE * np.trace(cov) / cov.shape[0]
         w = np.linalg.solve(cov + ridge * np.eye(cov.shape[0]), mu_p - mu_n)
-        sn = neg @ w
+        w32 = w.astype(np.float32)
+        sn = np.concatenate([part @ w32 for part in parts]).astype(np.float64)
         low, high, threshold, median = _placed(pos @ w, sn, hard, required, also)
         margin = (low - high) / median
         if best is None or margin > best[-1]:
