@@ -69,11 +69,13 @@ def decode_vector(text, length: int, where: str) -> np.ndarray:
 
 
 def row_by_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b with each row of the product computed alone, so a row gets the same bits whatever rows come with it
-    (numpy's BLAS product sums a lone row in another order than a block of rows): an override's share of the
-    FFN is then the same for a position alone, in a prompt, or among other passes' rows (model/together.py).
-    The overrides are a few dozen columns at most, so the unblocked sum costs microseconds."""
-    return np.einsum("td,dn->tn", a, b)
+    """a @ b with each row of the product computed as a lone row's (1, d) @ b is, so a row gets the same bits
+    whatever rows come with it (numpy's BLAS product sums a block of rows in another order than a lone row): an
+    override's share of the FFN is then the same for a position alone, in a prompt, or among other passes' rows
+    (model/together.py). A stack of one-row products: ~11 us a row for a hundred overrides, 2,048 rows in ~23 ms
+    (an unblocked einsum took ~150 ms)."""
+    return (a[:, None, :] @ b)[:, 0, :]
+
 
 @dataclass(frozen=True)
 class PatchOperation:
