@@ -215,9 +215,7 @@ class DecodeBatch(Generic[T]):
             row.index = len(self._rows)
             self._rows.append(row)
             row.kv.point_at(self._keys, self._values, row.index)
-            for i in range(self.model.config.n_layers):
-                row.kv.keys[i][:, :old.length] = old.keys[i][:, :old.length]
-                row.kv.values[i][:, :old.length] = old.values[i][:, :old.length]
+            row.kv.copy_prefix(old, old.length)
             session.kv = row.kv
             self._joined += 1
             return row

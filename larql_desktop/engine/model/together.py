@@ -67,7 +67,7 @@ def forward_together(model: TransformerModel, runs: Sequence[Run], ffn: FfnCall)
         out = []
         for run in runs:
             if run.prefix_of is not None:
-                _copy_prefix(runs[run.prefix_of].kv, run.kv, run.shared)
+                run.kv.copy_prefix(runs[run.prefix_of].kv, run.shared)
             out.append(model.forward(run.ids, run.kv, ffn, record=run.record)[-1])
         return out
     passes: list[_Pass] = []
@@ -114,17 +114,6 @@ def _scored(ffn: FfnCall, rows: int) -> bool:
     return stepper is not None and stepper.scored_ffn(rows) is not None
 
 
-def _copy_prefix(source: KvCache, kv: KvCache, shared: int, layer: int | None = None) -> None:
-    """Positions before `shared` of `source` into `kv`: every layer's (then `kv` holds them), or one layer's."""
-    layers = range(kv.config.n_layers) if layer is None else (layer,)
-    kv.reserve(shared)
-    for i in layers:
-        kv.keys[i][:, :shared] = source.keys[i][:, :shared]
-        kv.values[i][:, :shared] = source.values[i][:, :shared]
-    if layer is None:
-        kv.length = shared
-
-
 def _split(rows: np.ndarray, passes: Sequence[_Pass]) -> list[np.ndarray]:
     sizes = np.cumsum([p.h.shape[0] for p in passes])[:-1]
     return np.split(rows, sizes)
@@ -150,7 +139,7 @@ def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, firs
         scores: list[np.ndarray] = []
         for p, bases in zip(passes, tables):
             if p.prefix_of is not None:
-                _copy_prefix(passes[p.prefix_of].kv, p.kv, p.shared, i)
+                p.kv.copy_prefix(passes[p.prefix_of].kv, p.shared, i)
             cos, sin = bases[cfg.rope_base_for(i)]
             with_scores = p.scored and graphs.has_gate_scores
             ran = graphs.run_layer(i, p.h, p.f, p.kv.keys[i], p.kv.values[i], p.start, cos, sin,

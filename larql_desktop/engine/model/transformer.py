@@ -137,6 +137,17 @@ class KvCache:
             raise ValueError(f"cannot truncate a context of {self.length} tokens to {length}")
         self.length = length
 
+    def copy_prefix(self, source: "KvCache", length: int, layer: int | None = None) -> None:
+        """The first `length` positions of `source` (a context that begins as this one does) into this cache:
+        every layer's, after which it holds those `length` positions; or one layer's, as a pass about to run
+        that layer on them needs (the pass sets the length)."""
+        self.reserve(length)
+        for i in range(self.config.n_layers) if layer is None else (layer,):
+            self.keys[i][:, :length] = source.keys[i][:, :length]
+            self.values[i][:, :length] = source.values[i][:, :length]
+        if layer is None:
+            self.length = length
+
 
 class RopeTables:
     def __init__(self, head_dim: int):
