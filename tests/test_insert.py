@@ -491,8 +491,7 @@ def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(s
     written = ins.written_contexts(ins.earlier_facts(later, current))
     assert written and set(written) <= set(ins.negative_contexts(later, current))
     moved = 0
-    for context in written:
-        resumed = ins.written_inputs(context, current, low)
+    for context, resumed in zip(written, ins.written_inputs_all(written, current, low)):
         whole = ins.capture(context, current).inputs
         base = ins.base_inputs(context, low)
         assert all(x is None for x in resumed[:low])
@@ -509,12 +508,12 @@ def test_earlier_facts_contexts_are_captured_under_the_overlay_they_write_with(s
     assert moved                     # the earlier fact wrote in its statements: the base captures miss that
 
     asked = []
-    original = type(ins).written_inputs
+    original = type(ins).written_inputs_all
 
-    def spy(self, context, overlay, from_layer):
-        asked.append((tuple(context), overlay))
-        return original(self, context, overlay, from_layer)
-    monkeypatch.setattr(type(ins), "written_inputs", spy)
+    def spy(self, contexts, overlay, from_layer, stop=None):
+        asked.extend((tuple(context), overlay) for context in contexts)
+        return original(self, contexts, overlay, from_layer, stop)
+    monkeypatch.setattr(type(ins), "written_inputs_all", spy)
     engine.insert(later)
     assert {c for c, _ in asked} == set(written) and all(o is current for _, o in asked)
 

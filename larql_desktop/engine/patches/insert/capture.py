@@ -35,9 +35,9 @@ CONTINUATION_MEMORY = 1024
 # relations captured its negatives anew.
 CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
 # Rows precise to ~3 decimal digits (|x| up to ~31 measured on both models, far below half precision's 65,504):
-# the Fisher solve works in float64 from them and `free_slots` scores them in single precision. The layer a
-# `written_inputs` pass resumes from is kept in single precision, with its residual: the resumed layers read it as
-# the pass made it.
+# the Fisher solve sums their single-precision products in double and `free_slots` scores them in single
+# precision. The layer a `written_inputs_all` pass resumes from is kept in single precision, with its residual: the
+# resumed layers read it as the pass made it.
 REMEMBERED_DTYPE = np.float16
 PREFETCH_CONTEXTS = 16    # base captures run together by prefetch_inputs (~90 MB of rows in flight at a time)
 FIRING_TOLERANCE = 1e-3   # of a gate score: `recapture_all` re-runs from the first position scoring above minus this
@@ -66,14 +66,6 @@ def common_prefix(before: Sequence[int], ids: Sequence[int]) -> int:
     return shared
 
 
-def copy_rows(source: KvCache, kv: KvCache, length: int) -> None:
-    """The first `length` positions of `source` into the empty `kv` (a context that begins as source's does)."""
-    for mine, theirs in ((kv.keys, source.keys), (kv.values, source.values)):
-        for layer, rows in enumerate(theirs):
-            mine[layer][:, :length] = rows[:, :length]
-    kv.length = length
-
-
 class Captured(NamedTuple):
     """One context's pass: per layer the normed FFN input (T, d), the last position's logits, the KV cache, and
     per layer the residual after attention (T, d) that `Inserter.recapture_all` resumes from."""
@@ -85,7 +77,7 @@ class Captured(NamedTuple):
 
 class RememberedInputs(NamedTuple):
     """A negative context's base FFN inputs as `Capturing.base_inputs` remembers them (REMEMBERED_DTYPE), and for
-    the contexts `Capturing.written_inputs` resumes, the residual after attention at the layer it resumes from
+    the contexts `Capturing.written_inputs_all` resumes, the residual after attention at the layer it resumes from
     (that layer's inputs in single precision too)."""
     from_layer: int
     inputs: list
@@ -271,7 +263,7 @@ class Capturing:
             kv = KvCache(cfg, capacity=len(r.ids) + 1)
             shared = common_prefix(previous[0], r.ids) if previous is not None else 0
             if previous is not None and shared:
-                copy_rows(previous[1], kv, shared)
+                kv.copy_prefix(previous[1], shared)
             tokens[b] = int(np.argmax(transformer.forward(list(r.ids[shared:]), kv, ffn)[-1]))
             previous = (r.ids, kv)
             for layer in range(cfg.n_layers):
@@ -323,7 +315,7 @@ class Capturing:
         """Per layer the normed FFN inputs (T, d) of `ids` under the base weights, from `from_layer` on (None
         before it: INSERT keys only the late half of the network, or from a layer the user pins), remembered.
         Most negatives are captured under the base weights (no earlier fact's feature fires on them; the
-        contexts where they do are `written_inputs`'), and most are the same from one insert to the next: the
+        contexts where they do are `written_inputs_all`'), and most are the same from one insert to the next: the
         relation's decoys, the generic sentences, the earlier facts' questions and answers. Least recently used
         forgotten first, within CAPTURE_MEMORY_BYTES; a FIFO of a fixed count forgot each one just before the
         next insert asked again."""
@@ -406,35 +398,41 @@ class Capturing:
         return "|".join([self.model.checksum, blocks, ffn, repr(self.walk), f"onnxruntime-{ort.__version__}",
                          f"threads-{self.model.threads}", np.dtype(REMEMBERED_DTYPE).name])
 
-    def written_inputs(self, ids: Sequence[int], overlay: PatchOverlay, from_layer: int) -> list[np.ndarray | None]:
-        """`base_inputs` of a context where the overlay's features fire (the earlier facts' questions and
+    def written_inputs_all(self, contexts: Sequence[Sequence[int]], overlay: PatchOverlay, from_layer: int,
+                           stop: "Cancel | None" = None) -> list[list[np.ndarray | None]]:
+        """`base_inputs` of each context where the overlay's features fire (the earlier facts' questions and
         answers), under `overlay`: after an earlier fact writes its answer, the later layers read a residual
         the base model never makes, and a later fact's key solved against base captures alone learned "an
         answer was written here" and fired on every fact's question (SmolLM2, 50 facts: one key at layer 27
         scored -45 on another fact's question in the base model and +13 under the overlay). The layers before
-        the overlay's first compute what the base model computes, so the pass resumes there from the
-        remembered base capture (a quarter of a pass on SmolLM2, where facts sit at layers 23-26)."""
+        the overlay's first compute what the base model computes, so each pass resumes there from the
+        remembered base capture (a quarter of a pass on SmolLM2, where facts sit at layers 23-26), the passes
+        PREFETCH_CONTEXTS at a time together (model/together.py): with fifty facts kept there are ~150."""
         first = self.written_resume_layer(overlay, from_layer)
-        if first is None and overlay.overridden_layers:     # a layer pinned below the keys' range: the whole pass
-            captured = self.capture(tuple(ids), overlay)
-            return [x if i >= from_layer else None for i, x in enumerate(captured.inputs)]
+        if first is None and overlay.overridden_layers:     # a layer pinned below the keys' range: whole passes
+            return [[x if i >= from_layer else None for i, x in enumerate(c.inputs)]
+                    for c in self.capture_all(contexts, overlay, stop, share_prefixes=False)]
         if first is None:
-            return self.base_inputs(ids, from_layer)
-        known = self._remembered_capture(ids, from_layer, residual_at=first)
-        inputs = list(known.inputs)
-        kv = KvCache(self.model.config, capacity=len(ids) + 2)
-        kv.length = len(ids)            # the layers after `first` write their rows anew; the ones before are not read
-
-        def record(i, h, x):
-            inputs[i] = x
-        assert known.residual is not None
-        self.model.transformer.resume(first, known.residual[1], known.inputs[first], kv, self.ffn(overlay),
-                                      record=record)
-        return inputs
+            return [self.base_inputs(ids, from_layer) for ids in contexts]
+        out: list[list[np.ndarray | None]] = []
+        for start in range(0, len(contexts), PREFETCH_CONTEXTS):
+            if stop is not None:
+                stop.check()
+            resumed = []
+            for ids in contexts[start:start + PREFETCH_CONTEXTS]:
+                known = self._remembered_capture(ids, from_layer, residual_at=first)
+                assert known.residual is not None
+                inputs = list(known.inputs)
+                out.append(inputs)
+                kv = KvCache(self.model.config, capacity=len(ids) + 2)
+                kv.length = len(ids)    # the layers after `first` write their rows anew; the ones before are not read
+                resumed.append(Resumed(known.residual[1], known.inputs[first], kv, _replacing(inputs)))
+            resume_together(self.model.transformer, first, resumed, self.ffn(overlay))
+        return out
 
     @staticmethod
     def written_resume_layer(overlay: PatchOverlay, from_layer: int) -> int | None:
-        """The layer `written_inputs` resumes its passes from under `overlay` (its first overridden one); None
+        """The layer `written_inputs_all` resumes its passes from under `overlay` (its first overridden one); None
         where it resumes none: no override (the base capture is the pass), or one below `from_layer` (the whole
         pass runs under the overlay)."""
         layers = overlay.overridden_layers
@@ -554,6 +552,13 @@ def _collecting(residuals: list, inputs: list) -> LayerRecord:
     def record(i, h, x):
         residuals.append(h)
         inputs.append(x)
+    return record
+
+
+def _replacing(inputs: list) -> LayerRecord:
+    """A `record` that puts each layer's new inputs in place of the ones kept."""
+    def record(i, h, x):
+        inputs[i] = x
     return record
 
 

@@ -173,12 +173,12 @@ class Inserter(Contexts, Values):
         for ids in invented:
             stop.check()
             invented_inputs.append(self.base_inputs(ids, lowest))
-        for ids in written:        # where earlier facts write: under the overlay they write with
-            stop.check()
-            negative_inputs.append(self.written_inputs(ids, current, lowest))
+        # Where earlier facts write: under the overlay they write with.
+        for ids, inputs in zip(written, self.written_inputs_all(written, current, lowest, stop)):
+            negative_inputs.append(inputs)
             if current.overridden_layers:
                 # And as they read once that fact's patch is removed and this one stays: its question with no
-                # answer written must not wake this key either. The remembered base pass written_inputs resumed
+                # answer written must not wake this key either. The remembered base pass written_inputs_all resumed
                 # from (a pass of its own only where an earlier patch writes below the keys' range).
                 negative_inputs.append(self.base_inputs(ids, lowest))
         # At a reply's start the model begins the word without its space ("G|ild|mere" where the target's tokens

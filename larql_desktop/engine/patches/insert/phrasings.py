@@ -436,7 +436,7 @@ class Contexts(Capturing):
 
     def written_contexts(self, earlier_facts: Sequence[Fact]) -> list[tuple[int, ...]]:
         """The negatives where earlier facts' features fire, which the insert captures under the current overlay
-        (Capturing.written_inputs): this feature must not fire on their questions, nor within or after their
+        (Capturing.written_inputs_all): this feature must not fire on their questions, nor within or after their
         answers (a later target's second-token key would go on with an earlier target: "Kaskel" ->
         "Kaskelish"). Their statements, and for chat models their questions answered in conversations, in
         contexts of their own chunked from the first fact: the same contexts for every later insert, so their
