@@ -42,7 +42,7 @@ from larql_desktop.engine.cache.trace import KeyTrace
 from larql_desktop.engine.cache.tiers import DEFAULT_MAX_DISTANCE, CacheEntry, CacheTier, HitRule, PersistentTierView, frozen_copy
 from larql_desktop.engine.model.config import ModelConfig
 from larql_desktop.engine.model.transformer import ACTIVATIONS
-from larql_desktop.engine.model.overlay import PatchOverlay, row_by_row
+from larql_desktop.engine.model.overlay import PatchOverlay, stable_dots, summed_writes
 
 PATCH_MODES = ("bypass", "per_feature")
 
@@ -251,8 +251,8 @@ class WalkFfn:
         base_mask = mask.copy()
         base_mask[:, ovr.features] *= ~holds
         out = self.graphs.walk(layer, x, scores, base_mask)
-        act = self.activation(patched_scores) * row_by_row(x, ovr.up.T) * holds       # (T, n)
-        return out + row_by_row(act, ovr.down)                                       # (T, d)
+        act = self.activation(patched_scores) * stable_dots(x, ovr.up) * holds        # (T, n)
+        return out + summed_writes(act, ovr.down)                                    # (T, d)
 
     def dense(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The dense FFN under the current overlay."""

@@ -68,13 +68,22 @@ def decode_vector(text, length: int, where: str) -> np.ndarray:
 
 
 
-def row_by_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b with each row of the product computed as a lone row's (1, d) @ b is, so a row gets the same bits
-    whatever rows come with it (numpy's BLAS product sums a block of rows in another order than a lone row): an
-    override's share of the FFN is then the same for a position alone, in a prompt, or among other passes' rows
-    (model/together.py). A stack of one-row products: ~11 us a row for a hundred overrides, 2,048 rows in ~23 ms
-    (an unblocked einsum took ~150 ms)."""
-    return (a[:, None, :] @ b)[:, 0, :]
+def stable_dots(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """x (T, d) against each of `rows` (n, d): (T, n) dot products, each summed on its own in one fixed order, so
+    a score gets the same bits whatever rows of x and whatever other overrides come with it (numpy's BLAS product
+    sums a lone row otherwise than a block, and a column by the block it falls in): an override's share of the
+    FFN is the same for a position alone, in a prompt, or among other passes' rows (model/together.py), and for
+    a fact alone or among others at its layer. ~23 ms for 2,048 rows under a hundred overrides."""
+    return np.einsum("td,nd->tn", x, rows)
+
+
+def summed_writes(act: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """act (T, n) @ down (n, d): the overrides' writes summed one override after another, in their order, over the
+    ones that write somewhere in these rows. A row's sum is then the same bits whatever other rows come with it
+    and whatever silent overrides (act exactly 0) sit between: facts installed together write, where one holds
+    alone, exactly what that fact writes alone (a BLAS product over 5 overrides rounds otherwise than over 3)."""
+    active = np.flatnonzero(act.any(axis=0))
+    return np.einsum("tn,nd->td", act[:, active], down[active])
 
 
 @dataclass(frozen=True)
@@ -294,7 +303,7 @@ class LayerOverrides:
 
     def scores(self, x: np.ndarray) -> np.ndarray:
         """The overrides' biased gate scores (T, n) for normed FFN inputs `x` (T, d): what `holding` reads."""
-        return row_by_row(x, self.gate.T) + self.gate_bias
+        return stable_dots(x, self.gate) + self.gate_bias
 
     def inserted_holding(self, x: np.ndarray) -> np.ndarray:
         """Where each inserted (gated) feature takes its slot (T, n) bool for inputs `x`; plain overrides, which
