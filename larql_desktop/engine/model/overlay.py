@@ -67,7 +67,6 @@ def decode_vector(text, length: int, where: str) -> np.ndarray:
     return v
 
 
-
 def stable_dots(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """x (T, d) against each of `rows` (n, d): (T, n) dot products, each summed on its own in one fixed order, so
     a score gets the same bits whatever rows of x and whatever other overrides come with it (numpy's BLAS product

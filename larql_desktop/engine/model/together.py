@@ -44,7 +44,7 @@ class Resumed(NamedTuple):
 class _Pass:
     """A pass between two layers: its residual going into the next layer and the FFN output of the one before."""
     h: np.ndarray
-    f: np.ndarray | None
+    f: np.ndarray
     start: int
     kv: KvCache
     record: LayerRecord | None
@@ -81,8 +81,9 @@ def forward_together(model: TransformerModel, runs: Sequence[Run], ffn: FfnCall)
         if run.prefix_of is not None and not 0 <= run.prefix_of < len(passes):
             raise ValueError("a run's prefix must come from a run before it")
         run.kv.reserve(start + ids.size)
-        passes.append(_Pass(model.embed(ids), None, start, run.kv, run.record, _scored(ffn, ids.size),
-                            run.prefix_of, run.shared))
+        # Layer 0 has no previous FFN output to add: zeros.
+        passes.append(_Pass(model.embed(ids), model.graphs.zeros(ids.size), start, run.kv, run.record,
+                            _scored(model, ffn, ids.size), run.prefix_of, run.shared))
     return _run_layers(model, passes, ffn, 0)
 
 
@@ -96,27 +97,24 @@ def resume_together(model: TransformerModel, layer: int, resumed: Sequence[Resum
         return [model.resume(layer, r.h, r.x, r.kv, ffn, record=r.record)[-1] for r in resumed]
     if not 0 <= layer < model.config.n_layers:
         raise ValueError(f"layer must be within 0..{model.config.n_layers - 1}, not {layer}")
-    passes = []
     for r in resumed:
-        start = r.kv.length - r.h.shape[0]
-        if start < 0:
+        if r.kv.length < r.h.shape[0]:
             raise ValueError(f"the kv cache holds {r.kv.length} positions, fewer than the {r.h.shape[0]} to resume")
-        passes.append(_Pass(r.h, None, start, r.kv, r.record, _scored(ffn, r.h.shape[0])))
     # `resume` calls the plain FFN at the layer it resumes from, whatever the rows.
-    outputs = _split(ffn(layer, np.concatenate([r.x for r in resumed])), passes)
-    for p, f in zip(passes, outputs):
-        p.f = np.ascontiguousarray(f, dtype=np.float32)
+    outputs = _split(ffn(layer, np.concatenate([r.x for r in resumed])), [r.h.shape[0] for r in resumed])
+    passes = [_Pass(r.h, np.ascontiguousarray(f, dtype=np.float32), r.kv.length - r.h.shape[0], r.kv, r.record,
+                    _scored(model, ffn, r.h.shape[0])) for r, f in zip(resumed, outputs)]
     return _run_layers(model, passes, ffn, layer + 1)
 
 
-def _scored(ffn: FfnCall, rows: int) -> bool:
+def _scored(model: TransformerModel, ffn: FfnCall, rows: int) -> bool:
+    """Whether a lone pass of `rows` positions would have its layer graphs hand `ffn` the gate scores."""
     stepper = stepper_of(ffn)
-    return stepper is not None and stepper.scored_ffn(rows) is not None
+    return model.graphs.has_gate_scores and stepper is not None and stepper.scored_ffn(rows) is not None
 
 
-def _split(rows: np.ndarray, passes: Sequence[_Pass]) -> list[np.ndarray]:
-    sizes = np.cumsum([p.h.shape[0] for p in passes])[:-1]
-    return np.split(rows, sizes)
+def _split(rows: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    return np.split(rows, np.cumsum(sizes)[:-1])
 
 
 def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, first: int) -> list[np.ndarray]:
@@ -131,9 +129,7 @@ def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, firs
         if stepper is not None else None
     tables = [{base: model.rope.table(base, p.start + p.h.shape[0])
                for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}} for p in passes]
-    for p in passes:
-        if p.f is None:
-            p.f = graphs.zeros(p.h.shape[0])
+    kinds = {scored: [p for p in passes if p.scored == scored] for scored in (False, True)}
     for i in range(first, cfg.n_layers):
         inputs: dict[bool, list[np.ndarray]] = {False: [], True: []}
         scores: list[np.ndarray] = []
@@ -141,25 +137,22 @@ def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, firs
             if p.prefix_of is not None:
                 p.kv.copy_prefix(passes[p.prefix_of].kv, p.shared, i)
             cos, sin = bases[cfg.rope_base_for(i)]
-            with_scores = p.scored and graphs.has_gate_scores
             ran = graphs.run_layer(i, p.h, p.f, p.kv.keys[i], p.kv.values[i], p.start, cos, sin,
-                                   gate_scores=with_scores)
+                                   gate_scores=p.scored)
             p.h, x = ran[0], ran[1]
-            if with_scores:
+            if p.scored:
                 scores.append(ran[2])
             if p.record is not None:
                 p.record(i, p.h, x)
-            inputs[with_scores].append(x)
-        for with_scores, xs in inputs.items():
-            if not xs:
+            inputs[p.scored].append(x)
+        for scored, kind in kinds.items():
+            if not kind:
                 continue
-            kind = [p for p in passes if (p.scored and graphs.has_gate_scores) == with_scores]
-            rows = np.concatenate(xs)
-            out = scored_call(i, rows, np.concatenate(scores)) if with_scores and scored_call else ffn(i, rows)
-            for p, f in zip(kind, _split(out, kind)):
+            rows = np.concatenate(inputs[scored])
+            out = scored_call(i, rows, np.concatenate(scores)) if scored and scored_call else ffn(i, rows)
+            for p, f in zip(kind, _split(out, [p.h.shape[0] for p in kind])):
                 p.f = np.ascontiguousarray(f, dtype=np.float32)
     for p in passes:
         p.kv.length = p.start + p.h.shape[0]
-    logits = graphs.run_head(np.concatenate([p.h[-1:] for p in passes]),
-                             np.concatenate([p.f[-1:] for p in passes if p.f is not None]))
+    logits = graphs.run_head(np.concatenate([p.h[-1:] for p in passes]), np.concatenate([p.f[-1:] for p in passes]))
     return list(logits)
