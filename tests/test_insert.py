@@ -113,6 +113,8 @@ def test_shared_work_gives_what_each_context_alone_gives(smollm2):
     questions = ["What is the capital of France?", "What is the capital of Japan?", "Tell me a joke."]
     prompts = [tuple(chat_prompt_ids(smollm2, q)) for q in questions]
     prompts += [tuple(ins.encode(t)) for t in ("The capital of France is", "The capital of Japan is")]
+    prompts.append(prompts[0])      # the same prompt asked for more tokens: all of it is the shared prefix
+    # Different lengths: the rows that close leave the batched call, the others go on.
     requests = [GreedyRequest({}, i, ids, 6 + i, None) for i, ids in enumerate(prompts)]
     assert ins.greedy_many(requests, Cancel(None)) == [ins.greedy(r.ids, clean, r.n) for r in requests]
 

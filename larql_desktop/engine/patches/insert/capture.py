@@ -247,8 +247,8 @@ class Capturing:
         return ffn.stepper.walk_step_k()
 
     def _greedy_rows(self, batched, requests: Sequence["GreedyRequest"], walk_k: int | None) -> list[list[int]]:
-        """The rows' continuations: decode steps in the batched dense decoder, or with `walk_k` in the batched
-        walked decoder."""
+        """The rows' continuations (`requests` in the sorted order of their prompts): decode steps in the batched
+        dense decoder, or with `walk_k` in the batched walked decoder."""
         cfg, transformer = self.model.config, self.model.transformer
         ffn = self.ffn(PatchOverlay())
         B = len(requests)
@@ -258,14 +258,20 @@ class Capturing:
         keys, values = zeroed_layer_pairs(cfg.n_layers, shape)
         tokens = np.zeros(B, np.int64)
         positions = np.zeros(B, np.int64)
-        previous: tuple[tuple[int, ...], KvCache] | None = None
+        # The prompts run together (model/together.py), each past the prefix it shares with the one before it; a
+        # prompt asked twice (for other lengths) runs once.
+        runs: list[Run] = []
+        run_of: list[int] = []
         for b, r in enumerate(requests):
-            kv = KvCache(cfg, capacity=len(r.ids) + 1)
-            shared = common_prefix(previous[0], r.ids) if previous is not None else 0
-            if previous is not None and shared:
-                kv.copy_prefix(previous[1], shared)
-            tokens[b] = int(np.argmax(transformer.forward(list(r.ids[shared:]), kv, ffn)[-1]))
-            previous = (r.ids, kv)
+            if not b or r.ids != requests[b - 1].ids:
+                shared = common_prefix(requests[b - 1].ids, r.ids) if b else 0
+                runs.append(Run(r.ids[shared:], KvCache(cfg, capacity=len(r.ids) + 1), None,
+                                len(runs) - 1 if shared else None, shared))
+            run_of.append(len(runs) - 1)
+        first = [int(np.argmax(logits)) for logits in forward_together(transformer, runs, ffn)]
+        for b, i in enumerate(run_of):
+            tokens[b] = first[i]
+            kv = runs[i].kv
             for layer in range(cfg.n_layers):
                 keys[layer][b, :, :kv.length] = kv.keys[layer][:, :kv.length]
                 values[layer][b, :, :kv.length] = kv.values[layer][:, :kv.length]
@@ -273,11 +279,10 @@ class Capturing:
         stops = self.model.tokenizer.stop_ids
         out: list[list[int]] = [[] for _ in requests]
         open_rows = np.ones(B, bool)
+        rows = np.arange(B)            # the request each row of the call decodes
         while True:
-            for b, r in enumerate(requests):
-                if not open_rows[b]:
-                    continue
-                token = int(tokens[b])
+            for b, token in zip(rows, map(int, tokens)):      # every row of the call is open
+                r = requests[b]
                 if token in stops:
                     open_rows[b] = False
                     continue
@@ -287,7 +292,13 @@ class Capturing:
                     open_rows[b] = False
             if not open_rows.any():
                 return out
-            # Closed rows step along (their results are not read): one call for all rows.
+            # A row that has closed leaves the call (its KV rows are dropped): the continuations asked together
+            # end at very different lengths (a reply's first words, forty tokens), and a closed row stepping
+            # along costs as much as an open one. A row computes the same bits in a call of any size.
+            still = np.flatnonzero(open_rows[rows])
+            if still.size < rows.size:
+                keys, values = [k[still] for k in keys], [v[still] for v in values]
+                rows, tokens, positions = rows[still], tokens[still], positions[still]
             h = transformer.embed(tokens)
             if walk_k is None:
                 logits = batched.run(h, positions, keys, values, transformer.rope)
