@@ -281,7 +281,7 @@ class Capturing:
         open_rows = np.ones(B, bool)
         rows = np.arange(B)            # the request each row of the call decodes
         while True:
-            for b, token in zip(rows, map(int, tokens)):      # every row of the call is open
+            for b, token in zip(rows.tolist(), tokens.tolist()):      # every row of the call is open
                 r = requests[b]
                 if token in stops:
                     open_rows[b] = False
