@@ -40,10 +40,12 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     assert result.answers and result.target_tokens == tuple(tokens)
     ops = result.patch.operations
     # Every feature is recorded with the token it writes and its place in the target; features placed after
-    # the last target token write a token that ends the word ("Glimmer", not "Glimmering").
+    # the last target token (the model runs "Glimmer" on without them) write a full stop ("Glimmer.", not
+    # "Glimmering"; nor a comma, after which a reply named the target again and again: "Poseidon, Poseidon, ...").
     assert all(op.target_token == tokens[op.token_index] for op in ops if op.token_index < len(tokens))
-    word_ends = ins.word_ends()
-    assert all(word_ends[op.target_token] for op in ops if op.token_index == len(tokens))
+    word_end = [op.target_token for op in ops if op.token_index == len(tokens)]
+    assert word_end and all(smollm2.tokenizer.piece_bytes(token) == b"." for token in word_end)
+    assert all(ins.word_ends()[token] for token in word_end)
     assert {op.token_index for op in ops} >= {0} and max(op.token_index for op in ops) <= len(tokens)
     assert [(f.layer, f.feature) for f in result.features] == [(op.layer, op.feature) for op in ops]
     # Each feature's slot is its own.

@@ -228,8 +228,8 @@ class Inserter(Contexts, Values):
             primed = self.capture_all(self.primed_negatives(fact, targets[:j]), overlay, stop) \
                 if 0 < j < boundary else []
             if j == boundary:
-                # What the canonical prompt says after the whole word, among the sentence marks: the direction
-                # to write where the model would go on with the word instead.
+                # A full stop (the one the canonical prompt likes best, should the vocabulary hold several): the
+                # direction to write where the model would go on with the word instead.
                 token = int(np.argmax(np.where(self.sentence_marks(), captured[0].logits, -np.inf)))
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
