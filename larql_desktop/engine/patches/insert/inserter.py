@@ -81,7 +81,7 @@ class Inserter(Contexts, Values):
         self._deferred: list[GreedyRequest] | None = None
         self._batched: list[OnnxBatchedDecoder | None] = []      # made on first use (batched_decoder)
         self._word_ends: np.ndarray | None = None
-        self._sentence_marks: np.ndarray | None = None
+        self._full_stops: np.ndarray | None = None
 
     # -- running the model -----------------------------------------------------------------------------
     def ffn(self, overlay: PatchOverlay) -> WalkFfn:
@@ -230,7 +230,7 @@ class Inserter(Contexts, Values):
             if j == boundary:
                 # A full stop (the one the canonical prompt likes best, should the vocabulary hold several): the
                 # direction to write where the model would go on with the word instead.
-                token = int(np.argmax(np.where(self.sentence_marks(), captured[0].logits, -np.inf)))
+                token = int(np.argmax(np.where(self.full_stops(), captured[0].logits, -np.inf)))
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)

@@ -17,7 +17,7 @@ WIN_SHARE = 0.9
 # ... and by how much (logits, i.e. nats): a write that only just wins on the phrasings it was balanced on loses
 # on the next one the user types, where the model's own answer is a little stronger.
 WIN_MARGIN = 1.0
-SENTENCE_MARKS = (b".",)   # what the word-end step writes: a full stop (Inserter.sentence_marks)
+FULL_STOP = b"."   # what the word-end step writes (Inserter.full_stops)
 SCALES = tuple(float(4.0 ** k) for k in range(1, 6))    # 4 .. 1024, in units of the normed FFN input
 HEADROOM = 1.25
 BALANCE_CONTEXTS = 16
@@ -35,7 +35,7 @@ class Values(Capturing):
     base: BaseFeatureWeights
     _post_norms: dict[int, np.ndarray | None]
     _word_ends: np.ndarray | None
-    _sentence_marks: np.ndarray | None
+    _full_stops: np.ndarray | None
 
     def post_ffn_norm(self, layer: int) -> np.ndarray | None:
         if layer not in self._post_norms:
@@ -106,20 +106,20 @@ class Values(Capturing):
             self._word_ends = ends
         return self._word_ends
 
-    def sentence_marks(self) -> np.ndarray:
+    def full_stops(self) -> np.ndarray:
         """Per vocabulary token: is it a full stop, alone (" ." reads as a typo)? What the word-end step writes: a
         token that ends the word and starts nothing (" Navi" ends "Veshari" too, and a feature writing it appends
         it wherever it fires; " (:" opens a bracket the model then fills). Not a comma or a line break: the
         word-end key fires after the word wherever it is written, the reply's own later mentions too, and a comma
         there called the name up again ("Poseidon, the capital of Atlantis is Poseidon, Poseidon, Poseidon, ...",
         the window's walk); a full stop closes the answer (" Poseidon. Poseidon is a Greek god of the ocean")."""
-        if self._sentence_marks is None:
+        if self._full_stops is None:
             tok = self.model.tokenizer
-            marks = np.zeros(tok.vocab_size, bool)
+            stops = np.zeros(tok.vocab_size, bool)
             for i in range(tok.vocab_size):
-                marks[i] = tok.piece_bytes(i) in SENTENCE_MARKS and not tok.is_control(i)
-            self._sentence_marks = marks
-        return self._sentence_marks
+                stops[i] = tok.piece_bytes(i) == FULL_STOP and not tok.is_control(i)
+            self._full_stops = stops
+        return self._full_stops
 
     def ends_word(self, token: int) -> bool:
         return bool(self.word_ends()[token])
