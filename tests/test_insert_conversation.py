@@ -57,6 +57,25 @@ def test_a_fact_answers_after_an_earlier_same_relation_turn_and_the_neighbour_ke
     assert reply(engine, neighbour, engine.patches)[1] == reply(engine, neighbour, PatchOverlay())[1]
 
 
+def test_a_fact_answers_after_a_same_relation_turn_the_model_answered_in_its_own_words(first_inserted):
+    """The earlier turn as a chat holds it: the unpatched model's own reply, which need not restate the question and
+    sets a template the next reply copies ("El Diablo, the capital of Mexico." made the reply to the fact's question
+    "El Diablo, the capital of Mexico." again). About countries INSERT's own conversations never ask about: the old
+    inserter, which saw only statements ("The capital of France is Paris."), answered none of these four."""
+    engine, _ = first_inserted
+    ins = engine.inserter()
+    answered = []
+    for country in ("Spain", "Mexico", "Portugal", "Argentina"):
+        earlier = f"What is the capital of {country}?"
+        asked = [{"role": "user", "content": earlier}, {"role": "assistant", "content": ins.own_chat_reply(earlier)},
+                 {"role": "user", "content": "What is the capital of Tarnhollow?"}]
+        before, _ = reply(engine, asked, PatchOverlay())
+        after, _ = reply(engine, asked, engine.patches)
+        assert not contains_word(before, FIRST.target), before
+        answered.append(contains_word(after, FIRST.target))
+    assert sum(answered) >= 3, answered
+
+
 def test_neighbours_asked_after_the_fact_in_the_same_conversation_keep_their_replies(first_inserted):
     """The fact's own question asked and answered (with the target) earlier in the conversation, then real
     entities under the same relation: each reply is the unpatched model's, token for token, given the same turns.

@@ -78,7 +78,15 @@ GENERIC_QUESTIONS = ("Hello! How are you?", "Tell me a joke.", "What is 2 + 2?",
 # same relation about a real entity (whose answer the reply would otherwise copy), another relation, small talk,
 # and system prompts of the user's own; assistant turns are the model's own answers. The same conversations
 # asking about a real entity are negatives: there the reply must keep its real answer.
-CONVERSATION_ENTITIES = ("France", "Japan", "Germany")          # earlier turns (from DECOY_ENTITIES)
+# Earlier turns (from DECOY_ENTITIES): under another relation, and under the same one after a system prompt.
+CONVERSATION_ENTITIES = ("Japan", "Germany")
+# Earlier turns under the same relation answered as the model answers in a chat (its own reply's first sentence,
+# not the statement own_answer makes), each also followed by FOLLOW_UP: a reply can set a template ("El Pilar de la
+# Estrella, also known as ...") that the next one copies unless the key fires there too, and the templates differ
+# by entity. The question after a same-relation turn about a real country, 17 held-out facts: with the turn about
+# France stated instead, 7 of 17 answered (insert-eval's conversations; 9 with five other countries in them); with
+# France replied, 6; with these three, 10 (15), and the follow-ups 7 (10) -> 11 (15).
+REPLIED_ENTITIES = ("France", "Brazil", "India")
 # Asked in the negatives' conversations, a different few in each (real entities of several kinds: a key that
 # learned "a reply to this relation's question" rather than "about this entity" fires on every one of them).
 CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada", "Egypt", "India", "London", "Microsoft", "Tokyo")
@@ -219,9 +227,9 @@ class Contexts(Capturing):
         return first_sentence(tok.decode(tokens).strip().split("\n")[0]).strip() or "I see."
 
     def conversation_histories(self, fact: Fact) -> list[tuple[str | None, list[dict]]]:
-        """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): an
-        earlier turn under the same relation, one under another relation, small talk, system prompts alone and
-        with an earlier turn."""
+        """(system prompt, earlier turns) of the conversations a question is asked in (CONVERSATION_*): earlier
+        turns under the same relation answered with the model's own chat reply (`replied_histories`), one under
+        another relation, small talk, system prompts alone and with an earlier turn stated as own_answer states it."""
         r = fact.relation_words
 
         def same(entity: str, relation: str = r) -> list[dict]:
@@ -230,9 +238,18 @@ class Contexts(Capturing):
         other = next(o for o in CONVERSATION_OTHER_RELATION if o != r.lower())
         talk = [{"role": role, "content": text} for pair in CONVERSATION_SMALL_TALK
                 for role, text in zip(("user", "assistant"), pair)]
-        return [(None, same(CONVERSATION_ENTITIES[0])), (None, same(CONVERSATION_ENTITIES[1], other)),
-                (None, talk), (CONVERSATION_SYSTEM_PROMPTS[0], []),
-                (CONVERSATION_SYSTEM_PROMPTS[1], same(CONVERSATION_ENTITIES[2]))]
+        replied: list[tuple[str | None, list[dict]]] = [(None, history) for history in self.replied_histories(fact)]
+        # (The order only decides which neighbours each of conversation_negatives' conversations asks about.)
+        return [replied[0], (None, same(CONVERSATION_ENTITIES[0], other)), (None, talk),
+                (CONVERSATION_SYSTEM_PROMPTS[0], []), (CONVERSATION_SYSTEM_PROMPTS[1], same(CONVERSATION_ENTITIES[1])),
+                *replied[1:]]
+
+    def replied_histories(self, fact: Fact) -> list[list[dict]]:
+        """An earlier turn under the fact's relation about each of REPLIED_ENTITIES, answered with the model's own
+        chat reply (own_chat_reply)."""
+        questions = [fill(QUESTIONS[0], fact.relation_words, entity) for entity in REPLIED_ENTITIES]
+        return [[{"role": "user", "content": q}, {"role": "assistant", "content": self.own_chat_reply(q)}]
+                for q in questions]
 
     def conversation_ids(self, system: str | None, history: list[dict], question: str) -> list[int]:
         messages = history + [{"role": "user", "content": question}]
@@ -241,7 +258,7 @@ class Contexts(Capturing):
         return self.model.encode_prompt(messages)
 
     def conversation_positives(self, fact: Fact) -> list[tuple[int, ...]]:
-        """The fact's question asked in each conversation (and once as a follow-up after the same-relation turn),
+        """The fact's question asked in each conversation (and as a follow-up after each replied same-relation turn),
         with the assistant's answer at its first position, begun as the canonical statement and as the model's
         own reply begins there."""
         r, e = fact.relation_words, fact.entity.strip()
@@ -249,7 +266,7 @@ class Contexts(Capturing):
         out = []
         histories = self.conversation_histories(fact)
         asks = [(system, history, fill(QUESTIONS[0], r, e)) for system, history in histories]
-        asks.append((None, histories[0][1], fill(FOLLOW_UP, r, e)))
+        asks += [(None, history, fill(FOLLOW_UP, r, e)) for history in self.replied_histories(fact)]
         for system, history, question in asks:
             ids = self.conversation_ids(system, history, question)
             out += [tuple(ids), tuple(ids + start)]
@@ -267,7 +284,8 @@ class Contexts(Capturing):
         histories = self.conversation_histories(fact)
         starts = {tuple(self.conversation_ids(system, history, fill(QUESTIONS[0], r, e)))
                   for system, history in histories if history}
-        starts.add(tuple(self.conversation_ids(None, histories[0][1], fill(FOLLOW_UP, r, e))))
+        starts |= {tuple(self.conversation_ids(None, history, fill(FOLLOW_UP, r, e)))
+                   for history in self.replied_histories(fact)}
         return [i for i, c in enumerate(positives) if c in starts]
 
     def question_starts(self, fact: Fact, positives: list[tuple[int, ...]]) -> list[int]:
