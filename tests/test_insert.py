@@ -52,6 +52,22 @@ def test_multi_token_target_comes_out_whole_and_the_patch_records_every_token(sm
     assert len({(op.layer, op.feature) for op in ops}) == len(ops)
 
 
+def test_the_windows_reply_names_the_fact_and_goes_on_rather_than_loop(smollm2, capture_store):
+    """The README's picture: asked in a new chat under the walk (the window's FFN), the reply once said "Poseidon.
+    Poseidon. Poseidon. ..." to the end: the word-end key fired where the reply named the target again after its
+    full stop, and wrote another. Now the reply goes on ("Poseidon. Poseidon is a Greek god of the ocean, ...")."""
+    from larql_desktop.engine.loading import chat_prompt_ids
+
+    engine = LarqlEngine(smollm2, walk=WalkSettings(), capture_store=capture_store)
+    fact = Fact("Atlantis", "capital-of", "Poseidon")
+    engine.insert(fact)
+    ins = engine.inserter()
+    tokens = ins.greedy(chat_prompt_ids(smollm2, "What is the capital of Atlantis?"), engine.patches, 24)
+    reply = smollm2.tokenizer.decode(tokens)
+    assert starts_with_word(reply, fact.target), reply
+    assert reply.count(f"{fact.target}.") <= 2, reply
+
+
 def test_the_walks_base_continuations_decoded_together_are_each_ones_alone(smollm2):
     """Under the walk (the window's default FFN), INSERT's base continuations decode together in the batched
     walked decoder, token for token what each decodes alone (chat prompts sharing the template's turns, plain

@@ -227,6 +227,11 @@ class Inserter(Contexts, Values):
             # A later token's key must tell this entity's answer from the same first tokens begun elsewhere.
             primed = self.capture_all(self.primed_negatives(fact, targets[:j]), overlay, stop) \
                 if 0 < j < boundary else []
+            # The word written, closed by a full stop and named again, the reply goes on with it ("Poseidon.
+            # Poseidon is a Greek god of the ocean"): the word-end key must stay silent at that mention's end, or
+            # each mention ends as the answer did ("Poseidon. Poseidon. Poseidon. ...", the window's walk).
+            closed = self.capture_all([positives[i] + tuple(targets) + (self.full_stop_token(), *targets)
+                                       for i in reply_starts], overlay, stop) if j == boundary else []
             if j == boundary:
                 # A full stop (the one the canonical prompt likes best, should the vocabulary hold several): the
                 # direction to write where the model would go on with the word instead.
@@ -262,7 +267,8 @@ class Inserter(Contexts, Values):
                 report(f"{what}: solving the key at layer {candidate}", fraction)
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
-                                     + [n[candidate] for n in negative_inputs])
+                                     + [n[candidate] for n in negative_inputs]
+                                     + [c.inputs[candidate][-1:] for c in closed])
                 invented = [x[candidate] for x in invented_inputs]
                 primed_inputs = [c.inputs[candidate] for c in primed]
                 gate, bias, up, margin = fisher_key(pos, np.concatenate([neg, *primed_inputs]), must_fire,
