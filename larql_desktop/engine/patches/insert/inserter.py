@@ -227,15 +227,16 @@ class Inserter(Contexts, Values):
             # A later token's key must tell this entity's answer from the same first tokens begun elsewhere.
             primed = self.capture_all(self.primed_negatives(fact, targets[:j]), overlay, stop) \
                 if 0 < j < boundary else []
-            # The word written, closed by a full stop and named again, the reply goes on with it ("Poseidon.
-            # Poseidon is a Greek god of the ocean"): the word-end key must stay silent at that mention's end, or
-            # each mention ends as the answer did ("Poseidon. Poseidon. Poseidon. ...", the window's walk).
-            closed = self.capture_all([positives[i] + tuple(targets) + (self.full_stop_token(), *targets)
-                                       for i in reply_starts], overlay, stop) if j == boundary else []
+            closed = []
             if j == boundary:
                 # A full stop (the one the canonical prompt likes best, should the vocabulary hold several): the
                 # direction to write where the model would go on with the word instead.
                 token = int(np.argmax(np.where(self.full_stops(), captured[0].logits, -np.inf)))
+                # The word written, closed by that full stop and named again, the reply goes on with it ("Poseidon.
+                # Poseidon is a Greek god of the ocean"): the word-end key must stay silent at that mention's end,
+                # or each mention ends as the answer did ("Poseidon. Poseidon. Poseidon. ...", the window's walk).
+                closed = self.capture_all([positives[i] + tuple(targets) + (token, *targets) for i in reply_starts],
+                                          overlay, stop)
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)

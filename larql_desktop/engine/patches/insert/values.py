@@ -121,10 +121,6 @@ class Values(Capturing):
             self._full_stops = stops
         return self._full_stops
 
-    def full_stop_token(self) -> int:
-        """The vocabulary's first full stop (`full_stops`): how a reply closes the word in the contexts after it."""
-        return int(np.flatnonzero(self.full_stops())[0])
-
     def ends_word(self, token: int) -> bool:
         return bool(self.word_ends()[token])
 
