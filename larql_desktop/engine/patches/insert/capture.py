@@ -536,10 +536,11 @@ class Capturing:
         return [c for c in out if c is not None]
 
     def extend_all(self, contexts: Sequence[Sequence[int]], captured: Sequence["Captured"], more: Sequence[int],
-                   overlay: PatchOverlay) -> list["Captured"]:
+                   overlay: PatchOverlay, copy_caches: bool = False) -> list["Captured"]:
         """The captures of each context + `more`, from its capture in `captured` (under `overlay`) and a pass over
-        `more` on its KV cache, the passes run together. The caches are shared with `captured`: their later
-        positions are rewritten."""
+        `more` on its KV cache, the passes run together. The caches are shared with `captured` (their later
+        positions are rewritten) unless `copy_caches`: then each extension runs on a copy of its context's rows,
+        and `captured` may be extended by other tokens too."""
         out: list[Captured | None] = [None] * len(contexts)
         runs, where, whole = [], [], []
         for k, (ids, c) in enumerate(zip(contexts, captured)):
@@ -547,12 +548,16 @@ class Capturing:
             if c.kv.length != len(ids) or not more:
                 whole.append(k)
                 continue
+            kv = c.kv
+            if copy_caches:
+                kv = KvCache(self.model.config, capacity=len(ids) + len(more) + 2)
+                kv.copy_prefix(c.kv, len(ids))
             inputs, residuals = list(c.inputs), list(c.residuals)
-            runs.append(Run(more, c.kv, _appending(residuals, inputs)))
-            where.append((k, inputs, residuals))
-        for (k, inputs, residuals), logits in zip(where, forward_together(self.model.transformer, runs,
-                                                                          self.ffn(overlay))):
-            out[k] = Captured(inputs, logits, captured[k].kv, residuals)
+            runs.append(Run(more, kv, _appending(residuals, inputs)))
+            where.append((k, inputs, residuals, kv))
+        for (k, inputs, residuals, kv), logits in zip(where, forward_together(self.model.transformer, runs,
+                                                                              self.ffn(overlay))):
+            out[k] = Captured(inputs, logits, kv, residuals)
         for k, c in zip(whole, self.capture_all([tuple(contexts[k]) + tuple(more) for k in whole], overlay)):
             out[k] = c
         return [c for c in out if c is not None]

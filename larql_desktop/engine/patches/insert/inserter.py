@@ -219,9 +219,15 @@ class Inserter(Contexts, Values):
             what = f"Token {j + 1}/{len(targets)}" if j < boundary else "The word's end"
             report(f"{what}: capturing {len(contexts)} contexts", base_fraction)
             if previous[2]:       # the last step's passes (current under `overlay`) and the tokens since
-                captured = self.extend_all(previous[1], previous[2], targets[previous[0]:j], overlay)
-                if len(contexts) > len(captured):     # the reply starts begun bare, from this step on
-                    captured += self.capture_all(contexts[len(captured):], overlay, stop)
+                begun_bare = []
+                if len(contexts) > len(previous[1]):
+                    # The reply starts begun bare, from this step on. They join at the first step after the first
+                    # token's, so the last step's contexts are the positives themselves (previous[0] is 0): each
+                    # start's pass goes on with the bare token on a copy of its rows (the next line extends them).
+                    begun_bare = self.extend_all([previous[1][i] for i in reply_starts],
+                                                 [previous[2][i] for i in reply_starts], (bare, *targets[1:j]),
+                                                 overlay, copy_caches=True)
+                captured = self.extend_all(previous[1], previous[2], targets[previous[0]:j], overlay) + begun_bare
             else:
                 captured = self.capture_all(contexts, overlay, stop)
             # A later token's key must tell this entity's answer from the same first tokens begun elsewhere.
@@ -235,8 +241,8 @@ class Inserter(Contexts, Values):
                 # The word written, closed by that full stop and named again, the reply goes on with it ("Poseidon.
                 # Poseidon is a Greek god of the ocean"): the word-end key must stay silent at that mention's end,
                 # or each mention ends as the answer did ("Poseidon. Poseidon. Poseidon. ...", the window's walk).
-                closed = self.capture_all([positives[i] + tuple(targets) + (token, *targets) for i in reply_starts],
-                                          overlay, stop)
+                closed = self.extend_all([contexts[i] for i in reply_starts], [captured[i] for i in reply_starts],
+                                         (token, *targets), overlay)
             # Non-answer positions of the positives are negatives too; so are the negatives' all positions
             # and, for later tokens, the answer positions of the earlier ones.
             inner_negatives = inner_negative_positions(contexts, j)
