@@ -395,6 +395,18 @@ def test_resumed_and_extended_captures_match_whole_passes(smollm2, capture_store
     for a, b in zip(extended.inputs, reference.inputs):
         assert a.shape == b.shape and np.abs(a - b).max() < 0.25
     assert int(np.argmax(extended.logits)) == int(np.argmax(reference.logits))
+    # With copy_caches, one capture goes on two ways (INSERT's bare reply starts beside the target's own first
+    # token): each branch on a copy of its rows, as its whole pass computes, and neither writes into the other.
+    branches = [more, tuple(smollm2.tokenizer.encode(" Paris", add_bos=False)[:1])]
+    assert branches[0] != branches[1]
+    copies = [ins.extend_all([ids], [whole], tokens, patched, copy_caches=True)[0] for tokens in branches]
+    for tokens, copied in zip(branches, copies):
+        reference = ins.capture(ids + tokens, patched)
+        assert copied.kv is not whole.kv and copied.kv.length == len(ids) + len(tokens)
+        for a, b in zip(copied.inputs, reference.inputs):
+            assert a.shape == b.shape and np.abs(a - b).max() < 0.25
+        assert int(np.argmax(copied.logits)) == int(np.argmax(reference.logits))
+    assert not np.array_equal(copies[0].logits, copies[1].logits)
 
 
 def test_relation_frames_join_the_generated_phrasings():
