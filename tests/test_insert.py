@@ -14,6 +14,7 @@ from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
 from larql_desktop.engine.patches.insert import Fact, InsertCancelled, generated_phrasings
 from larql_desktop.engine.model.overlay import PatchOverlay
+from larql_desktop.engine.patches.insert.values import TOP_BLOCK, top_tokens
 from larql_desktop.tools.insert_eval import (ROWS, ConversationCase, Decoder, FactMeasure, Score, contains_word,
                                              default_engine_factory, format_report, read_facts,
                                              run_insert_eval, starts_with_word)
@@ -216,6 +217,20 @@ def test_gemma_insert_answers_and_its_layers_are_recorded(gemma3, capture_store)
     assert starts_with_word(ins.continuation(fact.canonical_prompt, engine.patches, n)[0], fact.target)
     assert result.patch.layers == result.layers == engine.patches.overridden_layers
     assert f"layer(s) {', '.join(map(str, result.layers))}" in result.patch.description
+
+
+def test_top_tokens_are_the_highest_logits_best_first():
+    """The block-bounded selection gives what a full sort gives: SmolLM2's and Gemma's vocabulary sizes, one that
+    is not a multiple of the block, a small one, and the top values crowded into one block."""
+    rng = np.random.default_rng(5)
+    for size in (49152, 262144, 50001, 300, 24):
+        for crowded in (False, True):
+            logits = rng.standard_normal(size).astype(np.float32)
+            if crowded:
+                logits[:TOP_BLOCK] += 10.0
+            for k in (1, 5, 24):
+                k_eff = min(k, size)
+                np.testing.assert_array_equal(top_tokens(logits, k), np.argsort(-logits, kind="stable")[:k_eff])
 
 
 def test_word_checks():

@@ -7,7 +7,8 @@ import pytest
 from larql_desktop.engine.cache.tiers import CacheTier
 from larql_desktop.engine.cache.walk import WalkFfn, WalkSettings
 from larql_desktop.engine.model.overlay import BaseFeatureWeights, Patch, PatchOperation, PatchOverlay
-from larql_desktop.engine.model.together import Resumed, Run, forward_together, resume_together, runs_together
+from larql_desktop.engine.model.together import (ROWS_TOGETHER, Resumed, Run, forward_together, resume_together,
+                                                  runs_together)
 from larql_desktop.engine.model.transformer import KvCache
 
 TEXTS = ["The capital of France is", "The capital of France is Paris, and the capital of Spain is",
@@ -79,10 +80,15 @@ def test_passes_run_together_equal_each_pass_alone(request, fixture, kind):
     told = _recorded(model, TEXTS[2], ffn)[3]
     told.truncate(len(story) - 1)
     first, second = tok.encode(TEXTS[0]), tok.encode(TEXTS[1])
+    boiled = _recorded(model, TEXTS[3], ffn)[3]
+    boiled.truncate(len(tok.encode(TEXTS[3])) - 2)
     shared = _shared(first, second)
-    # A whole prompt; a prompt's last token on its KV rows; a prompt; one that begins as it does, on its rows.
+    # A whole prompt; a prompt's last token on its KV rows; a prompt; one that begins as it does, on its rows;
+    # another prompt's last token but one on its rows (the two one-token passes run their attention in one call).
     runs = [Run(tok.encode(TEXTS[3]), KvCache(cfg, capacity=64)), Run(story[-1:], _copy(told)),
-            Run(first, KvCache(cfg, capacity=64)), Run(second[shared:], KvCache(cfg, capacity=64), None, 2, shared)]
+            Run(first, KvCache(cfg, capacity=64)), Run(second[shared:], KvCache(cfg, capacity=64), None, 2, shared),
+            Run(tok.encode(TEXTS[3])[-2:-1], _copy(boiled))]
+    assert tr.graphs.runs_rows_together and sum(len(run.ids) == 1 for run in runs) >= ROWS_TOGETHER
     alone = []
     for k, run in enumerate(runs):
         kv = _copy(run.kv)
@@ -104,6 +110,43 @@ def test_passes_run_together_equal_each_pass_alone(request, fixture, kind):
     if kind == "patched":      # the override wrote: the overlay's own share was among the rows compared
         base = WalkFfn(model.ffn, WalkSettings(dense=True), model_checksum=model.checksum)
         assert not np.array_equal(_recorded(model, TEXTS[0], base)[0], alone[2][0])
+
+
+@pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
+def test_one_token_layer_steps_in_one_call_equal_each_alone(request, fixture):
+    """The row-batched layer graph gives each row what the layer graph gives it alone, bit for bit: its output,
+    FFN input and new key and value, at positions of different lengths (Gemma 3: some past its sliding window)
+    on a local and a global layer; the rows' earlier keys are left as they were."""
+    model = request.getfixturevalue(fixture)
+    cfg, graphs, rope = model.config, model.transformer.graphs, model.transformer.rope
+    rng = np.random.default_rng(3)
+    window = max((cfg.window_for(i) or 0) for i in range(cfg.n_layers))
+    positions = np.array([3, 40, 17, window + 90 if window else 120, 64])
+    layers = sorted({next((i for i in range(cfg.n_layers) if cfg.window_for(i)), 0),
+                     next((i for i in range(cfg.n_layers) if not cfg.window_for(i)), cfg.n_layers - 1)})
+    assert len(layers) == (2 if window else 1)
+    B, C = len(positions), int(positions.max()) + 1
+    for layer in layers:
+        keys = rng.standard_normal((B, cfg.n_kv_heads, C, cfg.head_dim)).astype(np.float32)
+        values = rng.standard_normal(keys.shape).astype(np.float32)
+        h = rng.standard_normal((B, cfg.hidden)).astype(np.float32)
+        f = rng.standard_normal((B, cfg.hidden)).astype(np.float32)
+        cos, sin = rope.table(cfg.rope_base_for(layer), C)
+        alone = []
+        for b, position in enumerate(positions):
+            k, v = keys[b].copy(), values[b].copy()
+            out, x = graphs.run_layer(layer, h[b:b + 1], f[b:b + 1], k, v, int(position), cos, sin)
+            alone.append((out, x, k, v))
+        before = keys.copy()
+        out, x = graphs.run_layer_rows(layer, h, f, keys, values, positions, cos, sin)
+        for b, (lone_out, lone_x, k, v) in enumerate(alone):
+            p = int(positions[b])
+            np.testing.assert_array_equal(out[b:b + 1], lone_out)
+            np.testing.assert_array_equal(x[b:b + 1], lone_x)
+            np.testing.assert_array_equal(keys[b, :, :p + 1], k[:, :p + 1])
+            np.testing.assert_array_equal(values[b, :, :p + 1], v[:, :p + 1])
+            np.testing.assert_array_equal(keys[b, :, :p], before[b, :, :p])
+            assert not np.array_equal(keys[b, :, p], before[b, :, p])     # the new key was written
 
 
 @pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])

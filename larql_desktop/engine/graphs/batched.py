@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from larql_desktop.engine.formats.gguf import GgufFile
+from larql_desktop.engine.graphs.blocks import rows_as_sequences
 from larql_desktop.engine.graphs.decoder import (DECODER_EXPORT_FORMAT, ReplayPass, ServedPass, WalkedPass,
                                                  head_nodes, layers_with_ffn, mixed_pass_nodes, replay_pass_nodes,
                                                  rope_bases, served_pass_nodes, walked_pass_nodes)
@@ -43,9 +44,9 @@ from larql_desktop.engine.graphs.onnx_deferred import FLOAT
 
 if TYPE_CHECKING:
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 else:
-    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, numpy_helper, onnx
+    from larql_desktop.engine.graphs.onnx_deferred import TensorProto, helper, onnx
 
 BATCHED_EXPORT_FORMAT = f"batched1-{DECODER_EXPORT_FORMAT}"
 MANIFEST = "batched.manifest.json"
@@ -54,19 +55,6 @@ WALKED_FILE = "decoder.batched_walked.onnx"
 SERVED_FILE = "decoder.batched_served.onnx"
 REPLAY_FILE = "decoder.batched_replay.onnx"
 MIXED_FILE = "decoder.batched_mixed.onnx"
-# The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
-_SEQUENCE_SHAPE = "_3d_shape"
-
-
-def _rows_as_sequences(inits: list) -> None:
-    """Turn the layer graphs' (1, T, width) reshapes (all rows one sequence) into (B, 1, width) (a sequence per
-    row), in place."""
-    for i, tensor in enumerate(inits):
-        if tensor.name.endswith(_SEQUENCE_SHAPE):
-            shape = numpy_helper.to_array(tensor)
-            if shape.tolist()[:2] != [1, -1]:
-                raise ValueError(f"{tensor.name}: expected a (1, -1, width) reshape, found {shape.tolist()}")
-            inits[i] = numpy_helper.from_array(np.array([-1, 1, shape[2]], np.int64), tensor.name)
 
 
 def _batched_io(cfg: ModelConfig) -> tuple[list, list]:
@@ -92,7 +80,7 @@ def _batched_io(cfg: ModelConfig) -> tuple[list, list]:
 def build_batched_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.ModelProto:
     n = cfg.n_layers
     nodes, inits = layers_with_ffn(gguf, cfg, build_dense_graph)
-    _rows_as_sequences(inits)
+    rows_as_sequences(inits)
     more_nodes, more_inits = head_nodes(gguf, cfg, f"l{n - 1}.h_out", f"l{n - 1}.ffn_out")
     nodes += more_nodes
     inits += more_inits
@@ -106,7 +94,7 @@ def build_batched_walked_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
     n = cfg.n_layers
     nodes, inits = layers_with_ffn(gguf, cfg, build_walk_threshold_graph, shared=("k",))
-    _rows_as_sequences(inits)
+    rows_as_sequences(inits)
     nodes += walked_pass_nodes(n, inits)
     inputs, outputs = _batched_io(cfg)
     inputs.append(helper.make_tensor_value_info("k", TensorProto.INT64, [1]))
@@ -124,7 +112,7 @@ def build_batched_served_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     """The served decoder (graphs/decoder.py) over B rows: inputs "served" (n * B, d) and "selections" (n * B, F),
     outputs "inputs", "scores", "residuals" (n * B, ...) and "settled" (n * B,), layer-major."""
     nodes, inits = served_pass_nodes(gguf, cfg)
-    _rows_as_sequences(inits)
+    rows_as_sequences(inits)
     inputs, outputs = _batched_io(cfg)
     rows = "nB"
     inputs += [helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]),
@@ -140,7 +128,7 @@ def build_batched_replay_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx
     """The replay decoder (graphs/decoder.py) over B rows: input "served" (n * B, d), outputs "inputs" and
     "residuals" (n * B, d), layer-major."""
     nodes, inits = replay_pass_nodes(gguf, cfg)
-    _rows_as_sequences(inits)
+    rows_as_sequences(inits)
     inputs, outputs = _batched_io(cfg)
     rows = "nB"
     inputs.append(helper.make_tensor_value_info("served", FLOAT, [rows, cfg.hidden]))
@@ -153,7 +141,7 @@ def build_batched_mixed_decoder_graph(gguf: GgufFile, cfg: ModelConfig) -> onnx.
     """Walked and served rows in one call: the batched walked decoder's inputs and outputs, and "given" (B, 1)
     bool, "served" (n * B, d) and "selections_in" (n * B, F) for the rows whose FFN outputs are given."""
     nodes, inits = mixed_pass_nodes(gguf, cfg)
-    _rows_as_sequences(inits)
+    rows_as_sequences(inits)
     inputs, outputs = _batched_io(cfg)
     rows = "nB"
     inputs += [helper.make_tensor_value_info("k", TensorProto.INT64, [1]),

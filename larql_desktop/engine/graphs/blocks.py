@@ -66,7 +66,26 @@ def _residual_in(gguf: GgufFile, cfg: ModelConfig, layer: int, nodes, inits) -> 
     return "f"
 
 
-def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int, gated: bool = False) -> onnx.ModelProto:
+# The layer graph's reshapes into GroupQueryAttention's (batch, sequence, width) layout end in this name.
+_SEQUENCE_SHAPE = "_3d_shape"
+
+
+def rows_as_sequences(inits: list) -> None:
+    """Turn the layer graphs' (1, T, width) reshapes (all rows one sequence) into (B, 1, width) (a sequence per
+    row), in place."""
+    for i, tensor in enumerate(inits):
+        if tensor.name.endswith(_SEQUENCE_SHAPE):
+            shape = numpy_helper.to_array(tensor)
+            if shape.tolist()[:2] != [1, -1]:
+                raise ValueError(f"{tensor.name}: expected a (1, -1, width) reshape, found {shape.tolist()}")
+            inits[i] = numpy_helper.from_array(np.array([-1, 1, shape[2]], np.int64), tensor.name)
+
+
+def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int, gated: bool = False,
+                      rows: bool = False) -> onnx.ModelProto:
+    """The layer graph of the module docstring; with `rows`, each of its B rows is a sequence of its own (one new
+    token on its own KV cache, (B, KV, C, hd), at its own position seqlens_k (B,)), as the batched decoder's
+    layers are: B passes' one-token steps in one call instead of B."""
     p = f"blk.{layer}."
     H, KV, hd, d, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, float(cfg.norm_eps)
     nodes, inits = [], []
@@ -128,12 +147,14 @@ def build_layer_graph(gguf: GgufFile, cfg: ModelConfig, layer: int, gated: bool 
     const("ffn_norm_w", _f32(gguf, p + "ffn_norm.weight"))
     nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h1", a, "ffn_norm_w"],
                                   ["x_ffn", "", "", "h_out"], domain="com.microsoft", epsilon=eps))
-    cache = [1, KV, "C", hd]
+    if rows:
+        rows_as_sequences(inits)
+    cache = ["B" if rows else 1, KV, "C", hd]
     inputs = [helper.make_tensor_value_info("h", FLOAT, ["T", d]),
               helper.make_tensor_value_info("f", FLOAT, ["T", d]),
               helper.make_tensor_value_info("past_key", FLOAT, cache),
               helper.make_tensor_value_info("past_value", FLOAT, cache),
-              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["B" if rows else 1]),
               helper.make_tensor_value_info("total_len", TensorProto.INT32, []),
               helper.make_tensor_value_info("cos", FLOAT, ["P", hd // 2]),
               helper.make_tensor_value_info("sin", FLOAT, ["P", hd // 2])]
@@ -177,11 +198,12 @@ class OnnxBlocks:
         store = GraphStore(self.directory, MANIFEST, BLOCK_EXPORT_FORMAT, progress)
         self.rebuilt = store.rebuilt
         n = config.n_layers
-        layer_files, gated_files = [], []
+        layer_files, gated_files, rows_files = [], [], []
         for layer in range(n):
-            for kind, files in (("attn", layer_files), ("attn_gate", gated_files)):
+            for kind, files in (("attn", layer_files), ("attn_gate", gated_files), ("attn_rows", rows_files)):
                 name = f"layer{layer:02d}.{kind}.onnx"
-                build = partial(build_layer_graph, gguf, config, layer, gated=kind == "attn_gate")
+                build = partial(build_layer_graph, gguf, config, layer, gated=kind == "attn_gate",
+                                rows=kind == "attn_rows")
                 store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX",
                              layer / (n + 1))
                 files.append((name, build))
@@ -190,11 +212,14 @@ class OnnxBlocks:
         store.save()
         # Names these very files' content, as OnnxFfn.numerics does the FFN's: what a pass computed with them is
         # kept (INSERT's capture store) only for the same graphs.
+        # The row-batched graphs are left out: they give each row the layer graph's bits (tests/test_together.py),
+        # so captures made with them are the same captures.
         names = [name for name, _ in layer_files + gated_files] + ["head.onnx"]
         self.numerics: str | None = f"onnx-blocks-{BLOCK_EXPORT_FORMAT}-{store.digest(names)}"
         opts = partial(session_options, threads)
         self._layers = LazySessions(store, layer_files, opts)
         self._gated = LazySessions(store, gated_files, opts)
+        self._rows: LazySessions | None = LazySessions(store, rows_files, opts)
         self._heads = LazySessions(store, [("head.onnx", head_build)], opts)
         self._local = threading.local()
         self.zeros = ZeroRows(config.hidden)   # layer 0's "previous FFN output"
@@ -203,6 +228,11 @@ class OnnxBlocks:
     def has_gate_scores(self) -> bool:
         """Whether run_layer can also give the FFN's gate scores (the gated graphs exist)."""
         return self._gated is not None
+
+    @property
+    def runs_rows_together(self) -> bool:
+        """Whether run_layer_rows can run (the row-batched layer graphs exist)."""
+        return self._rows is not None
 
     def load_sessions(self, progress: Progress | None = None, gated: bool = False) -> None:
         """Create the sessions now rather than on first use: the plain attention graphs, or the gated ones
@@ -216,7 +246,7 @@ class OnnxBlocks:
         """Blocks from sessions made elsewhere (tests: graphs built in memory for a modified config)."""
         self = cls.__new__(cls)
         self.config, self.directory, self.rebuilt, self.numerics = config, None, [], None
-        self._layers, self._gated, self._heads = list(layers), None, [head]
+        self._layers, self._gated, self._rows, self._heads = list(layers), None, None, [head]
         self._local = threading.local()
         self.zeros = ZeroRows(config.hidden)
         return self
@@ -224,7 +254,7 @@ class OnnxBlocks:
     def _state(self):
         state = getattr(self._local, "state", None)
         if state is None:   # per thread: bindings are not thread-safe, sessions are
-            state = self._local.state = _ThreadState(self._layers, self._gated, self._heads)
+            state = self._local.state = _ThreadState(self._layers, self._gated, self._rows, self._heads)
         return state
 
     def run_layer(self, layer: int, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray,
@@ -263,6 +293,35 @@ class OnnxBlocks:
         b.run()
         return h_out, x_ffn, scores
 
+    def run_layer_rows(self, layer: int, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                       positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`run_layer` of B one-token passes in one call: row b of h, f (B, d) is the token at positions[b] of
+        its own context, whose keys/values are row b of keys/values (B, KV, C, hd), C > every position, written
+        in place at its position. Each row's h_out, x_ffn and new key/value are what run_layer gives it alone,
+        bit for bit (the nodes are per row, and GroupQueryAttention takes each row as a sequence).
+        Returns (h_out, x_ffn), (B, d) each."""
+        if self._rows is None:
+            raise RuntimeError("these blocks have no row-batched layer graphs")
+        B, d = h.shape
+        state = self._state()
+        b = state.rows(layer)
+        h_out = np.empty((B, d), np.float32)
+        x_ffn = np.empty((B, d), np.float32)
+        b.bind_input("h", h)
+        b.bind_input("f", f)
+        b.bind_input("past_key", keys)
+        b.bind_input("past_value", values)
+        b.bind_input("seqlens_k", np.ascontiguousarray(positions, dtype=np.int32))
+        b.bind_input("total_len", np.array(int(np.max(positions)) + 1, np.int32))
+        b.bind_input("cos", cos)
+        b.bind_input("sin", sin)
+        b.bind_output("h_out", h_out)
+        b.bind_output("x_ffn", x_ffn)
+        b.bind_output("present_key", keys)
+        b.bind_output("present_value", values)
+        b.run()
+        return h_out, x_ffn
+
     def run_head(self, h: np.ndarray, f: np.ndarray) -> np.ndarray:
         b = self._state().head
         logits = np.empty((h.shape[0], self.config.vocab_size), np.float32)
@@ -276,8 +335,10 @@ class OnnxBlocks:
 class _ThreadState:
     """One thread's IO bindings, made on the first call of each session."""
 
-    def __init__(self, layers, gated, heads):
+    def __init__(self, layers, gated, rows, heads):
         self._sessions = {False: layers, True: gated}
+        self._rows_sessions = rows
+        self._rows: list[Binding | None] = [None] * len(layers)
         self._heads = heads
         self._bindings: dict[bool, list[Binding | None]] = {False: [None] * len(layers), True: [None] * len(layers)}
         self._head: Binding | None = None
@@ -289,6 +350,12 @@ class _ThreadState:
         b = self._bindings[gated][i]
         if b is None:
             b = self._bindings[gated][i] = Binding(self._sessions[gated][i])
+        return b
+
+    def rows(self, i: int) -> Binding:
+        b = self._rows[i]
+        if b is None:
+            b = self._rows[i] = Binding(self._rows_sessions[i])
         return b
 
     @property

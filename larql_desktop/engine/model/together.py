@@ -6,8 +6,10 @@ write's last position re-run from its layer): one at a time, each layer of each 
 and most of their cost is the call. The FFN, the walk's and the dense one alike, computes each row on its own
 (the top K and the overlay's overrides are chosen per row), and its graphs give a row the same bits whether it
 comes alone or among others (tests/test_together.py), so the rows of many passes go through one call and every
-pass computes exactly what it computes alone. An FFN that looks rows up in a cache (the walk with an L1, L2 or
-L3) counts and stores per call: such passes run one at a time, as do passes of the numpy reference.
+pass computes exactly what it computes alone. The one-token passes (INSERT's extensions by a target token) run
+their attention together too, in the row-batched layer graphs, where each row is a sequence of its own and gets
+the bits it gets alone. An FFN that looks rows up in a cache (the walk with an L1, L2 or L3) counts and stores
+per call: such passes run one at a time, as do passes of the numpy reference.
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ class Resumed(NamedTuple):
     x: np.ndarray
     kv: KvCache
     record: LayerRecord | None = None
+
+
+# Fewer one-token passes than this run their attention one call each: the row-batched call's KV copies and
+# set-up are not worth it for one.
+ROWS_TOGETHER = 2
 
 
 @dataclass
@@ -117,9 +124,53 @@ def _split(rows: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return np.split(rows, np.cumsum(sizes)[:-1])
 
 
+class _OneTokenRows:
+    """The one-token passes of a `_run_layers` call, whose attention runs in one row-batched layer graph call per
+    layer (OnnxBlocks.run_layer_rows) instead of one call each: each row on a copy of its pass's KV rows of that
+    layer (the copy costs ~1/10 of the calls it saves: SmolLM2, 40 passes of ~60 positions, 4.2 ms of calls per
+    layer alone, ~1 ms together), its new key and value written back after. Each row gets run_layer's bits."""
+
+    def __init__(self, model: TransformerModel, passes: list[_Pass]):
+        cfg = model.config
+        self.model, self.passes = model, passes
+        self.positions = np.array([p.start for p in passes], np.int64)
+        capacity = int(self.positions.max()) + 1
+        self.keys = np.zeros((len(passes), cfg.n_kv_heads, capacity, cfg.head_dim), np.float32)
+        self.values = np.zeros_like(self.keys)
+        self.tables = {base: model.rope.table(base, capacity)
+                       for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}}
+
+    def run(self, layer: int) -> list[np.ndarray]:
+        """Layer `layer` for every pass: sets each pass's h, returns each pass's FFN input (1, d)."""
+        for b, p in enumerate(self.passes):
+            self.keys[b, :, :p.start] = p.kv.keys[layer][:, :p.start]
+            self.values[b, :, :p.start] = p.kv.values[layer][:, :p.start]
+        cos, sin = self.tables[self.model.config.rope_base_for(layer)]
+        h, x = self.model.graphs.run_layer_rows(layer, np.concatenate([p.h for p in self.passes]),
+                                                np.concatenate([p.f for p in self.passes]), self.keys, self.values,
+                                                self.positions, cos, sin)
+        out = []
+        for b, p in enumerate(self.passes):
+            p.kv.keys[layer][:, p.start] = self.keys[b, :, p.start]
+            p.kv.values[layer][:, p.start] = self.values[b, :, p.start]
+            p.h = h[b:b + 1]
+            out.append(x[b:b + 1])
+        return out
+
+
+def _one_token_rows(model: TransformerModel, passes: list[_Pass]) -> _OneTokenRows | None:
+    """The passes `_OneTokenRows` runs together (one token each, no gate scores wanted, no prefix to take from
+    another pass), when there are at least ROWS_TOGETHER of them and the graphs can."""
+    if not getattr(model.graphs, "runs_rows_together", False):
+        return None
+    rows = [p for p in passes if p.h.shape[0] == 1 and not p.scored and p.prefix_of is None]
+    return _OneTokenRows(model, rows) if len(rows) >= ROWS_TOGETHER else None
+
+
 def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, first: int) -> list[np.ndarray]:
-    """The layers from `first` on for every pass (its attention alone, the FFN for all rows of a kind at once:
-    the passes whose lone run would hand the FFN gate scores, and the others), then the head for all."""
+    """The layers from `first` on for every pass (its attention alone, or with the other one-token passes in one
+    call, the FFN for all rows of a kind at once: the passes whose lone run would hand the FFN gate scores, and
+    the others), then the head for all."""
     cfg, graphs = model.config, model.graphs
     if not passes:
         return []
@@ -130,10 +181,19 @@ def _run_layers(model: TransformerModel, passes: list[_Pass], ffn: FfnCall, firs
     tables = [{base: model.rope.table(base, p.start + p.h.shape[0])
                for base in {cfg.rope_base_for(i) for i in range(cfg.n_layers)}} for p in passes]
     kinds = {scored: [p for p in passes if p.scored == scored] for scored in (False, True)}
+    together = _one_token_rows(model, passes)
+    rowed = {id(p): k for k, p in enumerate(together.passes)} if together is not None else {}
     for i in range(first, cfg.n_layers):
         inputs: dict[bool, list[np.ndarray]] = {False: [], True: []}
         scores: list[np.ndarray] = []
+        rowed_inputs = together.run(i) if together is not None else []
         for p, bases in zip(passes, tables):
+            if id(p) in rowed:
+                x = rowed_inputs[rowed[id(p)]]
+                if p.record is not None:
+                    p.record(i, p.h, x)
+                inputs[False].append(x)
+                continue
             if p.prefix_of is not None:
                 p.kv.copy_prefix(passes[p.prefix_of].kv, p.shared, i)
             cos, sin = bases[cfg.rope_base_for(i)]
