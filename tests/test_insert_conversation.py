@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import DATA_DIR
+
 from larql_desktop.engine.analysis.reply_pass import run_reply_pass
 from larql_desktop.engine.cache.walk import WalkSettings
 from larql_desktop.engine.core import LarqlEngine
@@ -14,6 +16,7 @@ from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.patches.insert import Fact
 from larql_desktop.engine.model.overlay import PatchOverlay
 from larql_desktop.engine.services import contains_word, starts_with_word
+from larql_desktop.tools.insert_eval import Decoder, read_facts
 
 FIRST = Fact("Tarnhollow", "capital-of", "Gildmere")
 SECOND = Fact("Mossgrave Abbey", "founder-of", "Isolde")
@@ -93,6 +96,23 @@ def test_neighbours_asked_after_the_fact_in_the_same_conversation_keep_their_rep
         if tokens != base_tokens:
             moved.append((neighbour, before, after))
     assert not moved, moved
+
+
+def test_a_real_entitys_question_after_the_models_own_reply_keeps_its_reply(smollm2, capture_store):
+    """insert-eval's conversation rows for a held-out fact (tests/data): after an earlier turn under the fact's
+    relation about a real country, answered as the model answers ("El Salvador, also known as La España de
+    Salarón, ..."), the fact's question names its target and another real country's question is answered token
+    for token as without the patch. Before INSERT learned on the words of the model's own replies, its key scored
+    well above its threshold at that reply's " de" and the reply about Greece turned at its 8th token."""
+    facts, _ = read_facts(DATA_DIR / "insert_blind_facts.json")
+    fact = next(f for f in facts if f.entity == "Ystrana")
+    engine = LarqlEngine(smollm2, walk=WalkSettings(dense=True), capture_store=capture_store)
+    engine.insert(fact.fact)
+    dec = Decoder(engine)
+    case = next(c for c in fact.cases if c.kind == "same relation")
+    assert contains_word(dec.decode(dec.conversation(case, engine.patches)), fact.target)
+    ask = fact.keep[0].ask
+    assert dec.conversation(case, engine.patches, ask=ask) == dec.conversation(case, PatchOverlay(), ask=ask)
 
 
 def test_facts_installed_together_each_answer_and_removing_one_restores_the_rest_bit_for_bit(first_inserted,

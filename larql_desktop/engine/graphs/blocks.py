@@ -273,18 +273,7 @@ class OnnxBlocks:
         if views[0] is not keys or views[1] is not values:   # a new cache, or this one grew
             views = state.kv_views[layer] = (keys, values, keys[None], values[None])
         keys4, values4 = views[2], views[3]            # (1, KV, cap, hd): past and present share them
-        b.bind_input("h", h)
-        b.bind_input("f", f)
-        b.bind_input("past_key", keys4)
-        b.bind_input("past_value", values4)
-        b.bind_input("seqlens_k", state.seqlens)
-        b.bind_input("total_len", state.total)
-        b.bind_input("cos", cos)
-        b.bind_input("sin", sin)
-        b.bind_output("h_out", h_out)
-        b.bind_output("x_ffn", x_ffn)
-        b.bind_output("present_key", keys4)
-        b.bind_output("present_value", values4)
+        _bind_layer(b, h, f, keys4, values4, state.seqlens, state.total, cos, sin, h_out, x_ffn)
         if not gate_scores:
             b.run()
             return h_out, x_ffn
@@ -307,18 +296,8 @@ class OnnxBlocks:
         b = state.rows(layer)
         h_out = np.empty((B, d), np.float32)
         x_ffn = np.empty((B, d), np.float32)
-        b.bind_input("h", h)
-        b.bind_input("f", f)
-        b.bind_input("past_key", keys)
-        b.bind_input("past_value", values)
-        b.bind_input("seqlens_k", np.ascontiguousarray(positions, dtype=np.int32))
-        b.bind_input("total_len", np.array(int(np.max(positions)) + 1, np.int32))
-        b.bind_input("cos", cos)
-        b.bind_input("sin", sin)
-        b.bind_output("h_out", h_out)
-        b.bind_output("x_ffn", x_ffn)
-        b.bind_output("present_key", keys)
-        b.bind_output("present_value", values)
+        _bind_layer(b, h, f, keys, values, np.ascontiguousarray(positions, dtype=np.int32),
+                    np.array(int(np.max(positions)) + 1, np.int32), cos, sin, h_out, x_ffn)
         b.run()
         return h_out, x_ffn
 
@@ -330,6 +309,16 @@ class OnnxBlocks:
         b.bind_output("logits", logits)
         b.run()
         return logits
+
+
+def _bind_layer(b: Binding, h: np.ndarray, f: np.ndarray, keys: np.ndarray, values: np.ndarray, seqlens: np.ndarray,
+                total: np.ndarray, cos: np.ndarray, sin: np.ndarray, h_out: np.ndarray, x_ffn: np.ndarray) -> None:
+    """A layer graph's inputs and outputs, its KV cache bound as both past and present (written in place)."""
+    for name, array in (("h", h), ("f", f), ("past_key", keys), ("past_value", values), ("seqlens_k", seqlens),
+                        ("total_len", total), ("cos", cos), ("sin", sin)):
+        b.bind_input(name, array)
+    for name, array in (("h_out", h_out), ("x_ffn", x_ffn), ("present_key", keys), ("present_value", values)):
+        b.bind_output(name, array)
 
 
 class _ThreadState:

@@ -157,10 +157,12 @@ class Inserter(Contexts, Values):
             candidates = [layer] + [c for c in candidates if c != layer]
         lowest = min(candidates)        # keys go no lower
         replies = self.invented_reply_contexts(fact)
+        own_replies = self.replied_negatives(fact)
         invented = self.invented_negative_contexts(fact)
         # Every base pass the loops below read, the ones neither remembered nor stored captured together first.
         resumed_at = self.written_resume_layer(current, lowest)
-        self.prefetch_inputs([(ids, lowest, None) for ids in (*negatives, *(ids for ids, _ in replies), *invented)]
+        self.prefetch_inputs([(ids, lowest, None) for ids in (*negatives, *(ids for ids, _ in replies + own_replies),
+                                                               *invented)]
                              + [(ids, lowest, resumed_at) for ids in written], stop)
         negative_inputs = []
         for ids in negatives:
@@ -169,6 +171,13 @@ class Inserter(Contexts, Values):
         for ids, first in replies:      # hard negatives only past the reply's answer
             stop.check()
             negative_inputs.append([x if x is None else x[first:] for x in self.base_inputs(ids, lowest)])
+        # The words of the model's own replies about real entities, for the first token's key: a later token's
+        # key fires only after the target's first tokens, which those replies do not hold (with them among every
+        # key's negatives, two held-out facts' later tokens lost their word: "Ilsa Kjellberg" for "Ilsabet").
+        first_token_negatives = []
+        for ids, first in own_replies:
+            stop.check()
+            first_token_negatives.append([x if x is None else x[first:] for x in self.base_inputs(ids, lowest)])
         invented_inputs = []
         for ids in invented:
             stop.check()
@@ -275,6 +284,7 @@ class Inserter(Contexts, Values):
                 pos = np.stack([c.inputs[candidate][-1] for c in captured])
                 neg = np.concatenate([c.inputs[candidate][keep] for c, keep in zip(captured, inner)]
                                      + [n[candidate] for n in negative_inputs]
+                                     + [n[candidate] for n in (first_token_negatives if j == 0 else [])]
                                      + [c.inputs[candidate][-1:] for c in closed])
                 invented = [x[candidate] for x in invented_inputs]
                 primed_inputs = [c.inputs[candidate] for c in primed]

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from larql_desktop.engine.loading import chat_prompt_ids
 from larql_desktop.engine.model.overlay import PatchOverlay
-from larql_desktop.engine.patches.insert.capture import CONTINUATION_TOKENS, Capturing
+from larql_desktop.engine.patches.insert.capture import CONTINUATION_TOKENS, Capturing, common_prefix
 from larql_desktop.engine.patches.relation_frames import relation_frames
 
 # Generated phrasings of "the <relation> of <entity>": generic over relations (nothing here names one), so a
@@ -96,6 +96,12 @@ NEIGHBOURS_PER_CONVERSATION = 4
 # discriminant must key on the entity rather than on the question's wording.
 CONTRAST_ENTITIES = ("Japan", "Germany", "Tokyo", "Microsoft", "Paris", "Brazil")
 CONVERSATION_OTHER_RELATION = ("population", "history")
+# Conversations of the model's own replies (replied_negatives): questions under the fact's relation about the
+# first few, under REPLIED_OTHER_RELATIONS about the others. A user's earlier turn holds whatever the model wrote
+# ("El Salvador, also known as La España de Salarón, ..."), and a key that fires on a word inside it (" de") changes
+# every reply after it.
+REPLY_NEGATIVE_ENTITIES = ("Italy", "Canada", "Egypt", "Peru", "Kenya", "Norway", "Chile", "Poland")
+REPLIED_OTHER_RELATIONS = ("weather", "economy", "history", "size")
 CONVERSATION_SMALL_TALK = (("Hello! How are you?", "I'm doing well, thank you! How can I help you today?"),
                            ("What is 2 + 2?", "2 + 2 is 4."))
 CONVERSATION_SYSTEM_PROMPTS = ("You are a knowledgeable assistant. Answer briefly.",
@@ -355,7 +361,7 @@ class Contexts(Capturing):
         `invented_negative_contexts`, `invented_reply_contexts`, then `written_contexts` of the facts installed in
         `current`."""
         return (self.base_negative_contexts(fact) + self.invented_negative_contexts(fact)
-                + [ids for ids, _ in self.invented_reply_contexts(fact)]
+                + [ids for ids, _ in self.invented_reply_contexts(fact) + self.replied_negatives(fact)]
                 + self.written_contexts(self.earlier_facts(fact, current)))
 
     def base_negative_contexts(self, fact: Fact) -> list[tuple[int, ...]]:
@@ -435,6 +441,28 @@ class Contexts(Capturing):
             first = copula_end(self.model.tokenizer, reply) + REPLY_ANSWER_TOKENS
             if len(reply) > first:
                 out.append((tuple(chat + reply), len(chat) + first))
+        return out
+
+    def replied_negatives(self, fact: Fact) -> list[tuple[tuple[int, ...], int]]:
+        """(context, first negative position) of questions about real entities (REPLY_NEGATIVE_ENTITIES) under the
+        fact's relation and under others, each asked fresh in a chat and answered with the model's own reply
+        (its first sentence, as a user's earlier turn holds it): every position of the reply is a negative, the
+        question's own positions are left to the other negatives. Chat models only ([] otherwise)."""
+        if not self.model.is_chat:
+            return []
+        r = fact.relation_words
+        entities = [w for w in REPLY_NEGATIVE_ENTITIES if w.lower() != fact.entity.strip().lower()]
+        half = len(entities) // 2
+        relations = [r] * half + [REPLIED_OTHER_RELATIONS[k % len(REPLIED_OTHER_RELATIONS)]
+                                  for k in range(len(entities) - half)]
+        out = []
+        for relation, entity in zip(relations, entities):
+            question = fill(QUESTIONS[0], relation, entity)
+            turn = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": self.own_chat_reply(question)}]
+            ids = tuple(self.conversation_ids(None, turn, "Thanks!"))
+            # From the reply's first word: the question's end is where the assistant starts.
+            out.append((ids, common_prefix(chat_prompt_ids(self.model, question), ids)))
         return out
 
     def asked_in_turns(self, questions: Sequence[str]) -> tuple[int, ...]:
