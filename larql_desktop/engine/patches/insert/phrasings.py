@@ -96,9 +96,9 @@ NEIGHBOURS_PER_CONVERSATION = 4
 # discriminant must key on the entity rather than on the question's wording.
 CONTRAST_ENTITIES = ("Japan", "Germany", "Tokyo", "Microsoft", "Paris", "Brazil")
 CONVERSATION_OTHER_RELATION = ("population", "history")
-# Conversations of the model's own replies (replied_negatives): questions under the fact's relation about the
-# first few, under REPLIED_OTHER_RELATIONS about the others. A user's earlier turn holds whatever the model wrote
-# ("El Salvador, also known as La España de Salarón, ..."), and a key that fires on a word inside it (" de") changes
+# Questions answered with the model's own replies (replied_negatives): under the fact's relation about the first
+# half, under REPLIED_OTHER_RELATIONS about the rest. A user's earlier turn holds whatever the model wrote ("El
+# Salvador, also known as La España de Salarón, ..."), and a key that fires on a word inside it (" de") changes
 # every reply after it.
 REPLY_NEGATIVE_ENTITIES = ("Italy", "Canada", "Egypt", "Peru", "Kenya", "Norway", "Chile", "Poland")
 REPLIED_OTHER_RELATIONS = ("weather", "economy", "history", "size")
