@@ -36,7 +36,9 @@ STORE_FORMAT = 2
 CAPTURE_KIND = "capture"   # a capture's kind; a continuation's names its memory, length and key
 # What np.load raises on a value that is not a whole archive of the arrays asked for.
 UNREADABLE = (ValueError, KeyError, OSError, EOFError, IndexError, zipfile.BadZipFile)
-DEFAULT_STORE_BYTES = 1024 * 2 ** 20     # ~17 relations' negatives on SmolLM2 (~59 MB each)
+# ~14 relations' negatives on SmolLM2 (~73 MB each: 734 MB after 12 facts of 10 relations, measured after the
+# own-reply negatives; 68 MB each before them)
+DEFAULT_STORE_BYTES = 1024 * 2 ** 20
 
 
 class StoredCapture(NamedTuple):
