@@ -207,8 +207,9 @@ def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smol
     graph_store.file_digest = counting
     try:
         blocks = load()
-        files = sorted(json.loads((directory / MANIFEST).read_text())["files"])
-        assert blocks.rebuilt == [] and sorted(hashed) == files
+        # All but the row-batched layer graphs, which only INSERT runs: checked when their session is made.
+        files = sorted(f for f in json.loads((directory / MANIFEST).read_text())["files"] if ".attn_rows." not in f)
+        assert blocks.rebuilt == [] and sorted(hashed) == files and len(files) == 2 * smollm2.config.n_layers + 1
         hashed.clear()
         blocks.load_sessions(gated=True)                    # checked already, unchanged since: not hashed again
         assert hashed == []
@@ -221,6 +222,32 @@ def test_every_load_hashes_each_graph_file_once_and_rebuilds_rewritten_ones(smol
         assert load().rebuilt == []
     finally:
         graph_store.file_digest = real
+
+
+def test_a_row_batched_layer_graph_is_checked_and_exported_on_first_use_not_at_load(smollm2, smollm2_graphs_copy):
+    """Only INSERT runs the row-batched layer graphs: a load neither hashes nor exports them; the first call
+    exports a missing one, records it in the manifest and gives the single layer graph's output."""
+    import json
+
+    from larql_desktop.engine.graphs.blocks import MANIFEST
+
+    cfg = smollm2.config
+    directory = smollm2_graphs_copy / smollm2.checksum
+    victim = directory / "layer03.attn_rows.onnx"
+    victim.unlink(missing_ok=True)
+    blocks = OnnxBlocks(smollm2.gguf, cfg, smollm2.checksum, smollm2_graphs_copy, threads=1)
+    assert blocks.rebuilt == [] and not victim.exists()
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((2, cfg.hidden)).astype(np.float32)
+    f = np.zeros_like(h)
+    keys = np.zeros((2, cfg.n_kv_heads, 8, cfg.head_dim), np.float32)
+    values = np.zeros_like(keys)
+    cos, sin = smollm2.transformer.rope.table(cfg.rope_base_for(3), 8)
+    out, _ = blocks.run_layer_rows(3, h, f, keys, values, np.array([0, 0]), cos, sin)
+    assert blocks.rebuilt == ["layer03.attn_rows.onnx"] and victim.exists()
+    assert "layer03.attn_rows.onnx" in json.loads((directory / MANIFEST).read_text())["files"]
+    alone, _ = blocks.run_layer(3, h[1:], f[1:], np.zeros_like(keys[1]), np.zeros_like(values[1]), 0, cos, sin)
+    np.testing.assert_array_equal(out[1:], alone)
 
 
 def test_optimised_copy_of_the_decoder_computes_the_same_and_is_remade_when_damaged(smollm2, smollm2_graphs_copy):

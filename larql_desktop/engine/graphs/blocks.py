@@ -204,9 +204,12 @@ class OnnxBlocks:
                 name = f"layer{layer:02d}.{kind}.onnx"
                 build = partial(build_layer_graph, gguf, config, layer, gated=kind == "attn_gate",
                                 rows=kind == "attn_rows")
-                store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX",
-                             layer / (n + 1))
                 files.append((name, build))
+                # The row-batched graphs are checked (or exported) when their session is made: only INSERT runs
+                # them, and a chat's start-up should not hash or export 30 files it never reads.
+                if kind != "attn_rows":
+                    store.ensure(name, build, f"Exporting layer {layer + 1}/{n} attention graph to ONNX",
+                                 layer / (n + 1))
         head_build = partial(build_head_graph, gguf, config)
         store.ensure("head.onnx", head_build, "Exporting the output head to ONNX", n / (n + 1))
         store.save()

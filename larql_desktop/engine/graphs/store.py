@@ -381,6 +381,7 @@ class GraphStore:
         if optimized:
             return self._optimized_session(name, build, make_opts, message, fraction)
         path = self.ensure(name, build, message, fraction)
+        self.save()     # a file first checked here (a lazily loaded one) may just have been exported
         try:
             return ort.InferenceSession(str(path), make_opts(), providers=PROVIDERS)
         except Exception:       # unreadable despite a matching hash: rebuild it
@@ -482,8 +483,9 @@ class ZeroRows:
 
 class LazySessions:
     """Sessions on files of one store, made on first use (thread-safe): a process that only runs the whole-model
-    decoder never pays for (or holds the weights of) the per-layer sessions. Check the files with
-    `GraphStore.ensure` first; a file onnxruntime refuses is exported again then."""
+    decoder never pays for (or holds the weights of) the per-layer sessions. A file `GraphStore.ensure` checked at
+    load is not hashed again; one it did not is checked (or exported) on first use; a file onnxruntime refuses is
+    exported again."""
 
     def __init__(self, store: GraphStore, files: list[tuple[str, Callable[[], onnx.ModelProto]]],
                  make_opts: Callable[[], ort.SessionOptions], optimized: bool = False):
