@@ -135,6 +135,20 @@ def cmd_bench_ffn_cache(args) -> int:
     return 0
 
 
+def cmd_bench_batch(args) -> int:
+    from larql_desktop.tools.measure import bench_batched_decoders, format_bench_batch, parse_sweep
+
+    rows = parse_sweep(args.rows, "--rows", int)
+    if not rows or None in rows or min(rows) < 1:
+        raise ValueError(f"--rows: row counts of at least 1, comma-separated, not {args.rows!r}")
+    model = _load(args, quiet_progress=True)
+    top_k = _walk_settings(args).resolved(model.config.intermediate).top_k
+    results = bench_batched_decoders(model, top_k, rows, context=args.context, steps=args.steps)
+    for line in format_bench_batch(model, top_k, args.context, results):
+        print(line)
+    return 0
+
+
 def cmd_hitrates(args) -> int:
     import json
 
@@ -470,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-k", type=int, default=None, help="K features (default 79%% of the FFN width)")
     bench.add_argument("--iters", type=int, default=200)
     bench.set_defaults(func=cmd_bench_ffn_cache)
+    batch = sub.add_parser("bench-batch", help="the batched decoders' speed by rows: what batching clients can gain")
+    common(batch)
+    batch.add_argument("--rows", default="1,2,4,8", help="row counts (sequences decoded in one call)")
+    batch.add_argument("--context", type=int, default=128, help="each row's position in its KV cache")
+    batch.add_argument("--steps", type=int, default=30, help="timed steps per row count and round")
+    batch.add_argument("--top-k", type=int, default=None, help="walk FFN K (default 79%% of the FFN width)")
+    batch.set_defaults(func=cmd_bench_batch)
 
     hit = sub.add_parser("hitrates", help="the seed's expected-hit-rate scenarios, measured")
     common(hit)

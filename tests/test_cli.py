@@ -149,6 +149,25 @@ def test_bench_ffn_cache_runs_all_modes():
     assert run_cli("bench-ffn-cache", "--layer", "99").returncode != 0
 
 
+def test_bench_batch_prints_each_decoders_speed_by_rows():
+    result = run_cli("bench-batch", "--rows", "1,3", "--steps", "2", "--context", "16")
+    assert result.returncode == 0, result.stderr
+    table = {}
+    for line in result.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[0] in ("dense", "walked"):
+            table[parts[0], int(parts[1])] = (float(parts[2]), float(parts[3]), float(parts[4].rstrip("x")))
+    assert sorted(table) == [("dense", 1), ("dense", 3), ("walked", 1), ("walked", 3)]
+    for (decoder, rows), (ms, rate, vs_one) in table.items():
+        assert ms > 0 and abs(rate - rows * 1000 / ms) <= 0.06 * rate + 0.1     # printed rounded
+        one_ms = table[decoder, 1][0]
+        assert abs(vs_one - (rows / ms) / (1 / one_ms)) <= 0.02 + 0.02 * vs_one
+    assert table["walked", 1][2] == 1.0
+    for bad in (("--rows", "0"), ("--rows", "two"), ("--context", "0")):
+        failed = run_cli("bench-batch", *bad, "--steps", "1")
+        assert failed.returncode != 0 and "error" in failed.stderr and "Traceback" not in failed.stderr
+
+
 def test_hitrates_table_and_json(tmp_path):
     full = json.loads((SCENARIOS_DIR / "hitrate_scenarios.json").read_text())
     small = {"scenarios": {}}

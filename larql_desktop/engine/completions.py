@@ -31,11 +31,19 @@ class PromptTooLong(ValueError):
 def decode_batch(model: LoadedModel, max_rows: int = DEFAULT_BATCH_ROWS) -> DecodeBatch | None:
     """A DecodeBatch over `model`'s batched decoder graph (exported beside its other graphs on first use), or None
     for a model without decoder graphs (the numpy reference) or `max_rows` 0."""
-    decoder = model.transformer.decoder
-    if decoder is None or max_rows == 0:
+    batched = batched_decoder(model)
+    if batched is None or max_rows == 0:
         return None
-    batched = OnnxBatchedDecoder(model.gguf, model.config, model.checksum, decoder.directory.parent, model.threads)
     return DecodeBatch(model.transformer, batched, max_rows)
+
+
+def batched_decoder(model: LoadedModel) -> OnnxBatchedDecoder | None:
+    """`model`'s batched decoder graphs (exported beside its other graphs on first use), or None for a model
+    without decoder graphs (the numpy reference)."""
+    decoder = model.transformer.decoder
+    if decoder is None:
+        return None
+    return OnnxBatchedDecoder(model.gguf, model.config, model.checksum, decoder.directory.parent, model.threads)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,85 @@ def format_bench(model: LoadedModel, layer: int, rows: list[BenchRow], top_k: in
     return lines
 
 
+# ------------------------------------------------------------------------------------------ bench-batch
+@dataclass(frozen=True)
+class BatchBenchRow:
+    decoder: str            # "dense" or "walked" (the top-K walk at every layer, then the head)
+    rows: int
+    ms_per_step: float      # the fastest of the rounds' medians
+    tok_per_s: float        # rows / ms_per_step
+    vs_one_row: float       # tok_per_s over the one-row tok_per_s of the same decoder
+
+
+def bench_batched_decoders(model: LoadedModel, top_k: int, rows: list[int], context: int = 128, steps: int = 30,
+                           rounds: int = 2) -> list[BatchBenchRow]:
+    """The batched decoder graphs' own speed by rows: one decode step of `rows` sequences, each `context`
+    positions into its KV cache, in one call. What batching concurrent requests can gain on this machine whatever
+    the server around it does (no prefill, no sampling, no cache lookups, no HTTP): a server's aggregate tok/s
+    over one client's stays below `vs_one_row`. The row counts run in turn, `rounds` times over, each its
+    fastest median, so a busy spell of a shared host does not land on one row count alone."""
+    from larql_desktop.engine.completions import batched_decoder
+    from larql_desktop.engine.model.transformer import zeroed_layer_pairs
+
+    cfg = model.config
+    if not rows or min(rows) < 1:
+        raise ValueError(f"row counts must be at least 1, not {rows}")
+    if not 1 <= context < model.context_limit:
+        raise ValueError(f"context must be within 1..{model.context_limit - 1}, not {context}")
+    if steps < 1 or rounds < 1:
+        raise ValueError("steps and rounds must be at least 1")
+    decoder = batched_decoder(model)
+    if decoder is None:
+        raise ValueError(f"{model.name} has no decoder graphs to batch")
+    rng = np.random.default_rng(0)
+    counts = sorted(set(rows) | {1})
+    inputs = {}
+    for b in counts:       # the attention's cost follows the lengths, not the values: random keys and values
+        keys, values = zeroed_layer_pairs(cfg.n_layers, (b, cfg.n_kv_heads, context + 1, cfg.head_dim))
+        for array in keys + values:
+            array[:, :, :context] = rng.standard_normal(array[:, :, :context].shape) * 0.1
+        h = (rng.standard_normal((b, cfg.hidden)) * 0.1).astype(np.float32)
+        inputs[b] = (h, np.full(b, context, np.int64), keys, values)
+    def walked(h, pos, keys, values):     # the walked decoder leaves the head to one call for all rows, as a server
+        passes = decoder.run_walked(h, pos, keys, values, model.transformer.rope, top_k)
+        return model.transformer.graphs.run_head(np.stack([p.residuals[-1] for p in passes]),
+                                                 np.stack([p.outputs[-1] for p in passes]))
+
+    steppers = {"dense": lambda h, pos, k, v: decoder.run(h, pos, k, v, model.transformer.rope), "walked": walked}
+    best: dict[tuple[str, int], float] = {}
+    for name, step in steppers.items():
+        step(*inputs[1])                       # the session and its bindings made before anything is timed
+        for _ in range(rounds):
+            for b in counts:
+                step(*inputs[b])
+                times = []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    step(*inputs[b])
+                    times.append(time.perf_counter() - t)
+                median = float(np.median(times)) * 1e3
+                best[name, b] = min(best.get((name, b), median), median)
+    out = []
+    for name in steppers:
+        one = 1 / best[name, 1]
+        for b in counts:
+            if b in rows:
+                rate = b / best[name, b]
+                out.append(BatchBenchRow(name, b, best[name, b], rate * 1e3, rate / one))
+    return out
+
+
+def format_bench_batch(model: LoadedModel, top_k: int, context: int, rows: list[BatchBenchRow]) -> list[str]:
+    lines = [f"bench-batch: {model.name}, {model.threads} threads, one decode step of each row at position "
+             f"{context}; walk K={top_k} of {model.config.intermediate}",
+             f"{'decoder':8s} {'rows':>5s} {'ms/step':>8s} {'tok/s':>7s} {'vs 1 row':>8s}"]
+    for r in rows:
+        lines.append(f"{r.decoder:8s} {r.rows:5d} {r.ms_per_step:8.2f} {r.tok_per_s:7.1f} {r.vs_one_row:7.2f}x")
+    lines.append("vs 1 row: tokens per second of all rows over one row's: the most batching concurrent requests can "
+                 "gain here (a server adds prefill, sampling and the FFN cache's lookups around each step).")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------ hitrates
 SEED_EXPECTED = {   # the seed's "Expected Hit Rates" table
     "repeated": ("~100%", "—"),
