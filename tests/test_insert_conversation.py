@@ -64,11 +64,12 @@ def test_a_fact_answers_after_a_same_relation_turn_the_model_answered_in_its_own
     """The earlier turn as a chat holds it: the unpatched model's own reply, which need not restate the question and
     sets a template the next reply copies ("El Diablo, the capital of Mexico." made the reply to the fact's question
     "El Diablo, the capital of Mexico." again). About countries INSERT's own conversations never ask about: the old
-    inserter, which saw only statements ("The capital of France is Paris."), answered none of these four."""
+    inserter, which saw only statements ("The capital of France is Paris."), answered none of these four (with
+    Argentina for Colombia, before INSERT's own conversations asked about Argentina)."""
     engine, _ = first_inserted
     ins = engine.inserter()
     answered = []
-    for country in ("Spain", "Mexico", "Portugal", "Argentina"):
+    for country in ("Spain", "Mexico", "Portugal", "Colombia"):
         earlier = f"What is the capital of {country}?"
         asked = [{"role": "user", "content": earlier}, {"role": "assistant", "content": ins.own_chat_reply(earlier)},
                  {"role": "user", "content": "What is the capital of Tarnhollow?"}]

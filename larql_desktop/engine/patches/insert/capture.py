@@ -29,11 +29,11 @@ GREEDY_ROWS = 16         # base continuations decoded together in one batched de
 # (insert-eval --together 50) found none of theirs.
 CONTINUATION_MEMORY = 1024
 # The negatives' FFN inputs an Inserter remembers, least recently used forgotten first (base_inputs), in half
-# precision (REMEMBERED_DTYPE): one insert's negatives are ~45 contexts, ~3,500 tokens, ~60 MB over SmolLM2's key
-# layers, nearly all of them shared by every insert under the same relation. The bound holds about twelve
-# relations' worth; at 256 MB of single precision (two relations) every insert of facts cycling through ten
-# relations captured its negatives anew.
-CAPTURE_MEMORY_BYTES = 768 * 2 ** 20
+# precision (REMEMBERED_DTYPE): one insert's negatives are ~50 contexts, ~4,000 tokens, ~86 MB over SmolLM2's key
+# layers (since the conversations after six same-relation replies), nearly all of them shared by every insert
+# under the same relation. The bound holds about ten relations' worth; at 256 MB of single precision (two
+# relations) every insert of facts cycling through ten relations captured its negatives anew.
+CAPTURE_MEMORY_BYTES = 896 * 2 ** 20
 # Rows precise to ~3 decimal digits (|x| up to ~31 measured on both models, far below half precision's 65,504):
 # the Fisher solve sums their single-precision products in double and `free_slots` scores them in single
 # precision. The layer a `written_inputs_all` pass resumes from is kept in single precision, with its residual: the

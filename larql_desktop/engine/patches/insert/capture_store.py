@@ -37,7 +37,8 @@ CAPTURE_KIND = "capture"   # a capture's kind; a continuation's names its memory
 # What np.load raises on a value that is not a whole archive of the arrays asked for.
 UNREADABLE = (ValueError, KeyError, OSError, EOFError, IndexError, zipfile.BadZipFile)
 # ~14 relations' negatives on SmolLM2 (~73 MB each: 734 MB after 12 facts of 10 relations, measured after the
-# own-reply negatives; 68 MB each before them)
+# own-reply negatives; 68 MB each before them); about 12 since the conversations after six same-relation replies
+# joined them (86 MB a relation in memory; not measured on disk)
 DEFAULT_STORE_BYTES = 1024 * 2 ** 20
 
 

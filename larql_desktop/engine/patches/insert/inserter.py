@@ -18,8 +18,8 @@ from larql_desktop.engine.model.transformer import KvCache
 from larql_desktop.engine.graphs.batched import OnnxBatchedDecoder
 from larql_desktop.engine.patches.insert.capture import Cancel, Captured, GreedyRequest, RememberedInputs, softmax
 from larql_desktop.engine.patches.insert.capture_store import CaptureStore
-from larql_desktop.engine.patches.insert.keys import (MAX_LAYERS_PER_TOKEN, fisher_key, inner_negative_positions,
-                                                      key_layers, step_pair, strength_to_win)
+from larql_desktop.engine.patches.insert.keys import (FIRST_TOKEN_RIDGE, MAX_LAYERS_PER_TOKEN, RIDGE, fisher_key,
+                                                      inner_negative_positions, key_layers, step_pair, strength_to_win)
 from larql_desktop.engine.patches.insert.phrasings import Contexts, Fact
 from larql_desktop.engine.patches.insert.values import WIN_MARGIN, WIN_SHARE, Values, lead, lead_of_word_end, spread
 
@@ -288,13 +288,14 @@ class Inserter(Contexts, Values):
                                      + [c.inputs[candidate][-1:] for c in closed])
                 invented = [x[candidate] for x in invented_inputs]
                 primed_inputs = [c.inputs[candidate] for c in primed]
+                ridge = FIRST_TOKEN_RIDGE if j == 0 and self.model.is_chat else RIDGE
                 gate, bias, up, margin = fisher_key(pos, np.concatenate([neg, *primed_inputs]), must_fire,
-                                                    must_fire_starts, _rows(invented))
+                                                    must_fire_starts, _rows(invented), ridge_share=ridge)
                 if primed_inputs and margin <= 0:
                     # Where this layer cannot tell them all apart, the same first tokens begun elsewhere are held
                     # silent only as far as the fact's own questions allow (as invented names are).
                     gate, bias, up, margin = fisher_key(pos, neg, must_fire, must_fire_starts,
-                                                        _rows(invented + primed_inputs))
+                                                        _rows(invented + primed_inputs), ridge_share=ridge)
                 if margin <= 0 and candidate != layer:
                     continue         # this layer cannot tell the fact's questions from the rest
                 claimed = overlay.claimed(candidate) | {f.feature for f in features if f.layer == candidate}

@@ -85,8 +85,12 @@ CONVERSATION_ENTITIES = ("Japan", "Germany")
 # Estrella, also known as ...") that the next one copies unless the key fires there too, and the templates differ
 # by entity. The question after a same-relation turn about a real country, 17 held-out facts: with the turn about
 # France stated instead, 7 of 17 answered (insert-eval's conversations; 9 with five other countries in them); with
-# France replied, 6; with these three, 10 (15), and the follow-ups 7 (10) -> 11 (15).
-REPLIED_ENTITIES = ("France", "Brazil", "India")
+# France replied, 6; with France, Brazil and India, 10 (15), and the follow-ups 7 (10) -> 11 (15). Six, from
+# several continents and languages (the model answers some in the place's language: "El Pilar de ..."), with the
+# first token's key less tightly fitted (keys.FIRST_TOKEN_RIDGE; at 0.2): the key fired after turns about 46 of 54
+# (six facts, nine other countries), where three gave 38; insert-eval's same-relation turn and follow-up (about
+# Spain and Mexico) 9 and 11 of 17 -> 13 and 12 (at 0.1), all its conversations 86 -> 91 of 102.
+REPLIED_ENTITIES = ("France", "Brazil", "India", "Nigeria", "China", "Argentina")
 # Asked in the negatives' conversations, a different few in each (real entities of several kinds: a key that
 # learned "a reply to this relation's question" rather than "about this entity" fires on every one of them).
 CONVERSATION_NEIGHBOURS = ("Brazil", "Italy", "Canada", "Egypt", "India", "London", "Microsoft", "Tokyo")
