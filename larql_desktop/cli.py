@@ -138,8 +138,8 @@ def cmd_bench_ffn_cache(args) -> int:
 def cmd_bench_batch(args) -> int:
     from larql_desktop.tools.measure import bench_batched_decoders, format_bench_batch, parse_sweep
 
-    rows = parse_sweep(args.rows, "--rows", int)
-    if not rows or None in rows or min(rows) < 1:
+    rows = parse_sweep(args.rows, "--rows", int)     # bench_batched_decoders checks the counts themselves
+    if None in rows:
         raise ValueError(f"--rows: row counts of at least 1, comma-separated, not {args.rows!r}")
     model = _load(args, quiet_progress=True)
     top_k = _walk_settings(args).resolved(model.config.intermediate).top_k

@@ -153,6 +153,7 @@ def bench_batched_decoders(model: LoadedModel, top_k: int, rows: list[int], cont
             array[:, :, :context] = rng.standard_normal(array[:, :, :context].shape) * 0.1
         h = (rng.standard_normal((b, cfg.hidden)) * 0.1).astype(np.float32)
         inputs[b] = (h, np.full(b, context, np.int64), keys, values)
+
     def walked(h, pos, keys, values):     # the walked decoder leaves the head to one call for all rows, as a server
         passes = decoder.run_walked(h, pos, keys, values, model.transformer.rope, top_k)
         return model.transformer.graphs.run_head(np.stack([p.residuals[-1] for p in passes]),

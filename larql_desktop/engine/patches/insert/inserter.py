@@ -164,20 +164,22 @@ class Inserter(Contexts, Values):
         self.prefetch_inputs([(ids, lowest, None) for ids in (*negatives, *(ids for ids, _ in replies + own_replies),
                                                                *invented)]
                              + [(ids, lowest, resumed_at) for ids in written], stop)
+
+        def inputs_from(ids: tuple[int, ...], first: int) -> list:
+            """The base inputs of `ids` from position `first` on (a reply's negatives start inside it)."""
+            stop.check()
+            return [x if x is None else x[first:] for x in self.base_inputs(ids, lowest)]
+
         negative_inputs = []
         for ids in negatives:
             stop.check()
             negative_inputs.append(self.base_inputs(ids, lowest))
-        for ids, first in replies:      # hard negatives only past the reply's answer
-            stop.check()
-            negative_inputs.append([x if x is None else x[first:] for x in self.base_inputs(ids, lowest)])
+        # Hard negatives only past the reply's answer.
+        negative_inputs += [inputs_from(ids, first) for ids, first in replies]
         # The words of the model's own replies about real entities, for the first token's key: a later token's
         # key fires only after the target's first tokens, which those replies do not hold (with them among every
         # key's negatives, two held-out facts' later tokens lost their word: "Ilsa Kjellberg" for "Ilsabet").
-        first_token_negatives = []
-        for ids, first in own_replies:
-            stop.check()
-            first_token_negatives.append([x if x is None else x[first:] for x in self.base_inputs(ids, lowest)])
+        first_token_negatives = [inputs_from(ids, first) for ids, first in own_replies]
         invented_inputs = []
         for ids in invented:
             stop.check()
@@ -213,6 +215,7 @@ class Inserter(Contexts, Values):
                 contexts += [positives[i] + (bare, *targets[1:j]) for i in reply_starts]
                 must_fire_starts += [len(positives) + k for k, i in enumerate(reply_starts) if i in conversation_starts]
             stop.check()
+            ridge = FIRST_TOKEN_RIDGE if j == 0 and self.model.is_chat else RIDGE
             if j < boundary:
                 token, wins = targets[j], (lambda t, token=targets[j]: t == token)
                 wins_clearly = lambda logits, token=targets[j]: lead(logits, token) >= WIN_MARGIN
@@ -288,7 +291,6 @@ class Inserter(Contexts, Values):
                                      + [c.inputs[candidate][-1:] for c in closed])
                 invented = [x[candidate] for x in invented_inputs]
                 primed_inputs = [c.inputs[candidate] for c in primed]
-                ridge = FIRST_TOKEN_RIDGE if j == 0 and self.model.is_chat else RIDGE
                 gate, bias, up, margin = fisher_key(pos, np.concatenate([neg, *primed_inputs]), must_fire,
                                                     must_fire_starts, _rows(invented), ridge_share=ridge)
                 if primed_inputs and margin <= 0:
