@@ -245,7 +245,8 @@ def test_facts_files_are_checked(tmp_path):
     facts, controls = read_facts(DATA_DIR / "insert_generalization.json")
     assert len(facts) == 6 and controls
     entities = {f.entity for f in facts}
-    for name in ("insert_own_facts.json", "insert_held_out_facts.json", "insert_blind_facts.json"):
+    for name in ("insert_own_facts.json", "insert_held_out_facts.json", "insert_blind_facts.json",
+                 "insert_fresh_facts.json"):
         more, _ = read_facts(DATA_DIR / name)
         assert len(more) >= 5 and entities.isdisjoint(f.entity for f in more), name
         entities |= {f.entity for f in more}
