@@ -165,25 +165,20 @@ class Inserter(Contexts, Values):
                                                                *invented)]
                              + [(ids, lowest, resumed_at) for ids in written], stop)
 
-        def inputs_from(ids: tuple[int, ...], first: int) -> list:
+        def inputs_from(ids: tuple[int, ...], first: int = 0) -> list:
             """The base inputs of `ids` from position `first` on (a reply's negatives start inside it)."""
             stop.check()
-            return [x if x is None else x[first:] for x in self.base_inputs(ids, lowest)]
+            inputs = self.base_inputs(ids, lowest)
+            return inputs if not first else [x if x is None else x[first:] for x in inputs]
 
-        negative_inputs = []
-        for ids in negatives:
-            stop.check()
-            negative_inputs.append(self.base_inputs(ids, lowest))
+        negative_inputs = [inputs_from(ids) for ids in negatives]
         # Hard negatives only past the reply's answer.
         negative_inputs += [inputs_from(ids, first) for ids, first in replies]
         # The words of the model's own replies about real entities, for the first token's key: a later token's
         # key fires only after the target's first tokens, which those replies do not hold (with them among every
         # key's negatives, two held-out facts' later tokens lost their word: "Ilsa Kjellberg" for "Ilsabet").
         first_token_negatives = [inputs_from(ids, first) for ids, first in own_replies]
-        invented_inputs = []
-        for ids in invented:
-            stop.check()
-            invented_inputs.append(self.base_inputs(ids, lowest))
+        invented_inputs = [inputs_from(ids) for ids in invented]
         # Where earlier facts write: under the overlay they write with.
         for ids, inputs in zip(written, self.written_inputs_all(written, current, lowest, stop)):
             negative_inputs.append(inputs)
